@@ -1,0 +1,48 @@
+# Phalanx: `make demo` runs a multi-rank CPU job through injected faults;
+# `make test` runs the whole suite. Both bootstrap the virtualenv first.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.phalanx-installed
+
+.PHONY: venv test test-fast demo bench-detect bench-recovery proto proto-check lint typecheck clean corpus
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch==2.13.0 resolves to the CPU wheel on local disk on the dev/CI machines.
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest
+
+test-fast: venv
+	$(PY) -m pytest -m "not slow"
+
+demo: venv
+	$(PY) -m phalanx.demo
+
+bench-detect: venv
+	$(PY) -m bench.detect
+
+bench-recovery: venv
+	$(PY) -m bench.recovery
+
+proto: venv
+	$(PY) -m phalanx.proto write proto
+
+proto-check: venv
+	$(PY) -m phalanx.proto check proto
+
+lint: venv
+	$(VENV)/bin/ruff check libs services tests bench examples
+	$(VENV)/bin/ruff format --check libs services bench examples
+
+typecheck: venv
+	$(VENV)/bin/mypy libs services bench examples
+
+clean:
+	rm -rf .phalanx build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,111 @@
+"""The subject catalogue: every subject, its transport, and what it carries.
+
+This table is the wire contract. ``proto/`` is generated from it and a test
+checks the two agree. Tokens in braces are filled per message; a subscriber
+uses ``*`` in their place.
+
+>>> HEARTBEAT.format(job="j1", worker="w0")
+'phalanx.hb.j1.w0'
+>>> HEARTBEAT.wildcard()
+'phalanx.hb.*.*'
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+from phalanx.schemas import (
+    CapacityChanged,
+    CollectiveError,
+    ErrorEvent,
+    HealthReply,
+    Heartbeat,
+    JobSpec,
+    Message,
+    Plan,
+    PlanAck,
+    PlanDecision,
+    PreemptionNotice,
+    RankExited,
+    RankFailed,
+    RankHung,
+    RecoveryDone,
+    Registered,
+)
+
+_TOKEN = re.compile(r"\{([a-z_]+)\}")
+_SAFE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class Transport(StrEnum):
+    CORE = "core"  # ephemeral: lost if nobody listens
+    JETSTREAM = "jetstream"  # persisted in a stream, consumed by durable consumers
+    REQUEST = "request"  # core request/reply
+
+
+@dataclass(frozen=True)
+class Subject:
+    pattern: str
+    message: type[Message]
+    transport: Transport
+    description: str
+
+    @property
+    def params(self) -> list[str]:
+        return _TOKEN.findall(self.pattern)
+
+    def format(self, **tokens: str) -> str:
+        """Fill the tokens; each must be a plain name (no dots, wildcards or spaces)."""
+        missing = set(self.params) - tokens.keys()
+        if missing:
+            raise ValueError(f"{self.pattern}: missing {sorted(missing)}")
+        for k, v in tokens.items():
+            if not _SAFE.match(v):
+                raise ValueError(f"{self.pattern}: token {k}={v!r} is not a plain name")
+        return _TOKEN.sub(lambda m: tokens[m.group(1)], self.pattern)
+
+    def wildcard(self, **tokens: str) -> str:
+        """The pattern with the given tokens filled and the rest as ``*``."""
+        for k, v in tokens.items():
+            if not _SAFE.match(v):
+                raise ValueError(f"{self.pattern}: token {k}={v!r} is not a plain name")
+        return _TOKEN.sub(lambda m: tokens.get(m.group(1), "*"), self.pattern)
+
+
+HEARTBEAT = Subject("phalanx.hb.{job}.{worker}", Heartbeat, Transport.CORE,
+                    "Liveness and progress of a rank or spare, every heartbeat interval.")
+REGISTERED = Subject("phalanx.evt.{job}.registered", Registered, Transport.JETSTREAM,
+                     "A worker process is warm and ready.")
+EXITED = Subject("phalanx.evt.{job}.exited", RankExited, Transport.JETSTREAM,
+                 "The launcher saw a worker process end (fast crash path).")
+COMM_ERROR = Subject("phalanx.evt.{job}.comm_error", CollectiveError, Transport.JETSTREAM,
+                     "A rank's collective raised.")
+FAILED = Subject("phalanx.evt.{job}.failed", RankFailed, Transport.JETSTREAM,
+                 "The failure-detector's verdict: a rank crashed.")
+HUNG = Subject("phalanx.evt.{job}.hung", RankHung, Transport.JETSTREAM,
+               "The failure-detector's verdict: a rank is hung.")
+DECISION = Subject("phalanx.evt.{job}.decision", PlanDecision, Transport.JETSTREAM,
+                   "The planner's decision on an incident and its reason.")
+ACK = Subject("phalanx.evt.{job}.ack", PlanAck, Transport.JETSTREAM,
+              "A member acknowledged a plan.")
+RECOVERED = Subject("phalanx.evt.{job}.recovered", RecoveryDone, Transport.JETSTREAM,
+                    "A rank completed its first step in a new generation.")
+JOB_SPEC = Subject("phalanx.cmd.{job}.spec", JobSpec, Transport.JETSTREAM,
+                   "A job's size limits, batch and workers, from its launcher.")
+PLAN = Subject("phalanx.cmd.{job}.plan", Plan, Transport.JETSTREAM,
+               "A committed plan: the membership of a new generation.")
+CAPACITY = Subject("phalanx.sched.{cluster}.capacity", CapacityChanged, Transport.JETSTREAM,
+                   "Free capacity changed in a cluster.")
+PREEMPT = Subject("phalanx.sched.{cluster}.preempt", PreemptionNotice, Transport.JETSTREAM,
+                  "The scheduler wants capacity back.")
+ERROR = Subject("phalanx.err.{service}", ErrorEvent, Transport.JETSTREAM,
+                "A service refused bad input.")
+HEALTH = Subject("phalanx.health.{service}", HealthReply, Transport.REQUEST,
+                 "Ask a service how it is (request: Ping, reply: HealthReply).")
+
+CATALOGUE: tuple[Subject, ...] = (
+    HEARTBEAT, REGISTERED, EXITED, COMM_ERROR, FAILED, HUNG, DECISION, ACK, RECOVERED,
+    JOB_SPEC, PLAN, CAPACITY, PREEMPT, ERROR, HEALTH,
+)

