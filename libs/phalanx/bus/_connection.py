@@ -121,18 +121,23 @@ class Bus:
         *,
         msg_id: str | None = None,
         retry_for_s: float = 30.0,
+        traced: bool = True,
         **tokens: str,
     ) -> None:
         """Publish ``msg`` on ``subject`` with the current trace context.
 
         JetStream subjects wait for the server's acknowledgement, retrying with the
         same ``Nats-Msg-Id`` for up to ``retry_for_s`` (a restart in between is then
-        neither a loss nor a duplicate).
+        neither a loss nor a duplicate). ``traced=False`` is for high-rate core
+        messages such as heartbeats.
         """
         if not isinstance(msg, subject.message):
             raise TypeError(f"{subject.pattern} carries {subject.message.KIND}, not {msg.KIND}")
         subj = subject.format(**tokens)
         payload, headers = encode(msg)
+        if not traced:  # high-rate, ephemeral (heartbeats): no span, no context
+            await self.nc.publish(subj, payload, headers=headers)
+            return
         with _tracer.start_as_current_span(
             f"publish {subject.pattern}",
             kind=SpanKind.PRODUCER,

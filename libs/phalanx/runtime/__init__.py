@@ -1,0 +1,1 @@
+"""The runtime a training rank embeds: heartbeats, plans, recovery, state, data."""
