@@ -44,5 +44,8 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy libs services bench examples
 
+corpus: venv
+	$(PY) -m examples.corpus
+
 clean:
 	rm -rf .phalanx build *.egg-info .pytest_cache .mypy_cache .ruff_cache

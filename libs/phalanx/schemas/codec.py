@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from phalanx.schemas._base import Message, message_class
 
-__all__ = ["DecodeError", "encode", "decode", "HDR_KIND", "HDR_SCHEMA", "HDR_ENCODING"]
+__all__ = ["DecodeError", "decode", "encode", "headers_for", "HDR_KIND", "HDR_SCHEMA", "HDR_ENCODING"]
 
 HDR_KIND = "Phalanx-Kind"
 HDR_SCHEMA = "Phalanx-Schema"
@@ -42,10 +42,14 @@ class DecodeError(ValueError):
         self.kind = kind
 
 
+def headers_for(cls: type[Message]) -> dict[str, str]:
+    """The headers a ``cls`` message carries; for payloads stored without them (KV)."""
+    return {HDR_KIND: cls.KIND, HDR_SCHEMA: str(cls.SCHEMA_VERSION), HDR_ENCODING: ENCODING}
+
+
 def encode(msg: Message) -> tuple[bytes, dict[str, str]]:
     payload = msgpack.packb(msg.model_dump(mode="json"), use_bin_type=True)
-    headers = {HDR_KIND: msg.KIND, HDR_SCHEMA: str(msg.SCHEMA_VERSION), HDR_ENCODING: ENCODING}
-    return payload, headers
+    return payload, headers_for(type(msg))
 
 
 @overload

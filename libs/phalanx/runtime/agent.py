@@ -1,0 +1,183 @@
+"""A rank's link to the control plane, on its own thread and event loop.
+
+The training thread is plain synchronous PyTorch; the agent runs the NATS
+client beside it: it registers the worker, heartbeats (so a long step never
+looks like a hang, while a stopped or dead process falls silent), follows the
+job's plans, acknowledges them at once, and publishes what the trainer reports.
+
+Plans are fenced by generation: :meth:`Agent.wait_plan` only returns a plan
+newer than the one the caller has, and a stale or duplicated plan is dropped.
+The latest plan is also read from the ``phalanx_jobs`` KV bucket at start, so a
+worker that subscribes after the plan was published still sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+
+from phalanx.bus import JOBS_BUCKET, Bus, Subject
+from phalanx.bus.subjects import ACK, PLAN, REGISTERED
+from phalanx.runtime.heartbeat import HeartbeatPublisher
+from phalanx.runtime.status import RankStatus
+from phalanx.schemas import (
+    DecodeError,
+    Message,
+    Plan,
+    PlanAck,
+    Registered,
+    Role,
+    decode,
+    headers_for,
+)
+from phalanx.telemetry import extract_context, get_logger
+
+
+@dataclass(frozen=True)
+class PlanEnvelope:
+    plan: Plan
+    received_at: float  # time.time() when the agent got it
+    context: otel_context.Context  # the incident's trace, from the message headers
+
+
+def plan_key(job: str) -> str:
+    return f"{job}.plan"
+
+
+class Agent:
+    def __init__(self, status: RankStatus, role: Role, *, url: str | None = None,
+                 heartbeat_s: float | None = None, incarnation: int = 0) -> None:
+        self.status = status
+        self.role = role
+        self.url = url
+        self.incarnation = incarnation
+        self.log = get_logger(component="agent", worker=status.worker)
+        self._heartbeat_s = heartbeat_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="phalanx-agent", daemon=True)
+        self._cond = threading.Condition()
+        self._latest: PlanEnvelope | None = None
+        self._bus: Bus | None = None
+        self._hb_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------
+    def start(self, timeout_s: float = 30.0) -> Agent:
+        self._thread.start()
+        self._call(self._start(), timeout_s)
+        return self
+
+    async def _start(self) -> None:
+        self._bus = bus = await Bus.connect(self.url, name=f"rank-{self.status.worker}", ensure=False)
+        await bus.nc.subscribe(PLAN.format(job=self.status.job), cb=self._on_plan_msg)
+        hb = HeartbeatPublisher(bus, self.status, self._heartbeat_s)
+        self._hb_task = asyncio.create_task(hb.run())
+        # A plan committed before we subscribed is in the KV bucket.
+        try:
+            kv = await bus.js.key_value(JOBS_BUCKET)
+            entry = await kv.get(plan_key(self.status.job))
+            if entry.value:
+                self._offer(decode(entry.value, headers_for(Plan), Plan), time.time(), {})
+        except Exception as exc:  # no bucket or key yet: the plan will come by message
+            self.log.debug("no_committed_plan", error=repr(exc))
+        await bus.publish(
+            REGISTERED,
+            Registered(job=self.status.job, worker=self.status.worker, role=self.role,
+                       host=self.status.host, pid=os.getpid(), incarnation=self.incarnation),
+            job=self.status.job,
+            msg_id=f"{self.status.job}:{self.status.worker}:{os.getpid()}:registered",
+        )
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def _close() -> None:
+            if self._hb_task:
+                self._hb_task.cancel()
+            if self._bus:
+                await self._bus.close()
+
+        with contextlib.suppress(Exception):
+            self._call(_close(), timeout_s)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+
+    def _call(self, coro: Any, timeout_s: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    # -- plans ----------------------------------------------------------------
+    async def _on_plan_msg(self, raw: Msg) -> None:
+        received = time.time()
+        try:
+            plan = decode(raw.data, raw.headers, Plan)
+        except DecodeError as err:
+            if self._bus:
+                await self._bus.report_bad_input(raw.subject, err)
+            return
+        self._offer(plan, received, raw.headers or {})
+
+    def _offer(self, plan: Plan, received: float, headers: dict[str, str]) -> None:
+        if plan.job != self.status.job:
+            return
+        with self._cond:
+            if self._latest is not None and plan.generation <= self._latest.plan.generation:
+                return  # stale or duplicate: fenced
+            self._latest = PlanEnvelope(plan, received, extract_context(headers))
+            self._cond.notify_all()
+        self.log.info("plan_received", generation=plan.generation, reason=plan.reason)
+        rank = plan.rank_of(self.status.worker)
+        if rank is not None and self._bus is not None:
+            ack = PlanAck(job=plan.job, generation=plan.generation, worker=self.status.worker, rank=rank)
+            asyncio.get_running_loop().create_task(self._publish_quietly(ACK, ack, plan.job))
+
+    async def _publish_quietly(self, subject: Subject, msg: Message, job: str) -> None:
+        try:
+            assert self._bus is not None
+            await self._bus.publish(subject, msg, job=job)
+        except Exception as exc:
+            self.log.warning("publish_failed", subject=subject.pattern, error=repr(exc))
+
+    @property
+    def latest(self) -> PlanEnvelope | None:
+        return self._latest
+
+    def wait_plan(self, newer_than: int, timeout_s: float | None = None) -> PlanEnvelope | None:
+        """Block until a plan with ``generation > newer_than`` arrives (None on timeout)."""
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._latest is not None and self._latest.plan.generation > newer_than,
+                timeout_s,
+            )
+            return self._latest if ok else None
+
+    def superseded(self, generation: int) -> bool:
+        latest = self._latest
+        return latest is not None and latest.plan.generation > generation
+
+    # -- publishing from the training thread ------------------------------------
+    def publish(self, subject: Subject, msg: Message, *, wait_s: float | None = None,
+                context: otel_context.Context | None = None, **tokens: str) -> None:
+        """Publish from any thread; waits for the server's ack when ``wait_s`` is given."""
+
+        async def _pub() -> None:
+            assert self._bus is not None
+            token = otel_context.attach(context) if context is not None else None
+            try:
+                await self._bus.publish(subject, msg, **tokens)
+            finally:
+                if token is not None:
+                    otel_context.detach(token)
+
+        fut = asyncio.run_coroutine_threadsafe(_pub(), self._loop)
+        if wait_s is not None:
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                fut.result(wait_s)

@@ -1,0 +1,70 @@
+"""Fault injection for tests, the demo and benchmarks: ``PHALANX_FAULTS``.
+
+A comma-separated list of ``action:worker@point``:
+
+- actions: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: a hang with
+  silent heartbeats), ``stall`` (the training thread blocks forever while the
+  heartbeats go on), ``exit`` (exit code 3);
+- points: ``step=N`` (in step N, after the backward pass and before the
+  gradient all-reduce, so peers are left blocked in the collective) or
+  ``recovery=G`` (as the worker starts building generation G's communicator).
+
+>>> FaultPlan.parse("kill:w2@step=5,stop:w1@recovery=2")
+FaultPlan(faults=(Fault(action='kill', worker='w2', point='step', value=5), ...))
+
+Faults name a worker, not a rank, so a spare that takes over a rank does not
+inherit its predecessor's fault.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from dataclasses import dataclass
+
+_ENTRY = re.compile(r"^(kill|stop|stall|exit):([A-Za-z0-9_-]+)@(step|recovery)=(\d+)$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    worker: str
+    point: str
+    value: int
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    faults: tuple[Fault, ...] = ()
+
+    @classmethod
+    def parse(cls, spec: str) -> FaultPlan:
+        faults = []
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            m = _ENTRY.match(part)
+            if not m:
+                raise ValueError(f"bad fault {part!r}: want action:worker@step=N or @recovery=G")
+            faults.append(Fault(m[1], m[2], m[3], int(m[4])))
+        return cls(tuple(faults))
+
+    @classmethod
+    def from_env(cls) -> FaultPlan:
+        return cls.parse(os.environ.get("PHALANX_FAULTS", ""))
+
+    def fire(self, worker: str, point: str, value: int) -> None:
+        for f in self.faults:
+            if f.worker == worker and f.point == point and f.value == value:
+                _do(f.action)
+
+
+def _do(action: str) -> None:
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif action == "exit":
+        os._exit(3)
+    elif action == "stall":
+        threading.Event().wait()  # blocks this thread for good; heartbeats go on

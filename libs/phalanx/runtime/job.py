@@ -1,0 +1,67 @@
+"""``phalanx.runtime.init()``: what a training script calls first.
+
+It reads the environment the launcher sets (``PHALANX_JOB``, ``PHALANX_WORKER``,
+``PHALANX_ROLE``, ``PHALANX_STORE_ADDR``, ``NATS_URL``), sets up logs and traces,
+starts the :class:`~phalanx.runtime.agent.Agent` (registration, heartbeats,
+plans) and connects to the job's rendezvous store.
+
+>>> job = phalanx.runtime.init()
+>>> job.worker, job.role
+('w2', <Role.RANK: 'rank'>)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from phalanx.runtime.agent import Agent
+from phalanx.runtime.comm import connect_store
+from phalanx.runtime.faults import FaultPlan
+from phalanx.runtime.status import RankStatus
+from phalanx.schemas import Role
+from phalanx.telemetry import get_logger, setup_logging, setup_tracing, shutdown_tracing
+
+
+class LaunchEnvError(RuntimeError):
+    """The process was not started by a Phalanx launcher (or the env is malformed)."""
+
+
+@dataclass
+class Job:
+    job: str
+    worker: str
+    role: Role
+    status: RankStatus
+    agent: Agent
+    store: dist.Store
+    faults: FaultPlan
+
+    def close(self) -> None:
+        self.agent.close()
+        shutdown_tracing()
+
+
+def _need(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise LaunchEnvError(f"{name} is not set: start this script with `phalanx run ... -- python script.py`")
+    return value
+
+
+def init() -> Job:
+    job, worker = _need("PHALANX_JOB"), _need("PHALANX_WORKER")
+    try:
+        role = Role(_need("PHALANX_ROLE"))
+    except ValueError as exc:
+        raise LaunchEnvError(f"PHALANX_ROLE must be one of {[r.value for r in Role]}") from exc
+    faults = FaultPlan.from_env()
+    setup_logging(f"rank-{worker}")
+    setup_tracing("phalanx-rank")
+    status = RankStatus(job=job, worker=worker)
+    agent = Agent(status, role).start()
+    store = connect_store(_need("PHALANX_STORE_ADDR"))
+    get_logger(component="runtime").info("worker_ready", job=job, worker=worker, role=role.value)
+    return Job(job, worker, role, status, agent, store, faults)

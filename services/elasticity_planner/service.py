@@ -1,0 +1,208 @@
+"""The planner service: turns faults into committed, published plans.
+
+Inputs (durable JetStream consumers, so a planner restart loses nothing):
+job specs, registrations, RankFailed/RankHung, plan acknowledgements, exits.
+Outputs: ``PlanDecision`` events (every decision with its reason) and, for a
+membership change, a ``Plan`` committed first in the ``phalanx_jobs`` bucket
+under ``<job>.plan`` by compare-and-set (the generation only moves forward),
+then published with ``Nats-Msg-Id = <job>:plan:<generation>``.
+
+Trace: the ``plan`` span (fault received -> plan committed) is a child of the
+incident's ``detect`` span; ``notify`` (committed -> every member acknowledged)
+follows it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+from nats.js.errors import KeyWrongLastSequenceError
+from opentelemetry import trace
+from opentelemetry.trace import Span
+
+from phalanx.bus import COMMANDS, EVENTS, JOBS_BUCKET, Bus
+from phalanx.bus.subjects import ACK, DECISION, EXITED, FAILED, HUNG, JOB_SPEC, PLAN, REGISTERED
+from phalanx.schemas import (
+    Action,
+    JobSpec,
+    Member,
+    Message,
+    Plan,
+    PlanAck,
+    PlanDecision,
+    RankExited,
+    RankFailed,
+    RankHung,
+    Registered,
+    Role,
+    encode,
+)
+from phalanx.service import Service
+from phalanx.services.elasticity_planner.policy import (
+    Decision,
+    Fault,
+    JobPhase,
+    JobState,
+    Policy,
+    ReplaceOrShrink,
+)
+
+_tracer = trace.get_tracer("phalanx.planner")
+
+
+@dataclass
+class _Pending:
+    """A committed generation waiting for its members' acknowledgements."""
+
+    generation: int
+    notify: Span
+    waiting: set[str]
+
+
+class ElasticityPlanner(Service):
+    name = "elasticity-planner"
+
+    def __init__(self, bus: Bus, policy: Policy | None = None) -> None:
+        super().__init__(bus)
+        self.policy: Policy = policy or ReplaceOrShrink()
+        self.jobs: dict[str, JobState] = {}
+        self._early: dict[str, list[Registered]] = {}  # registrations before their job's spec
+        self._pending: dict[str, _Pending] = {}
+        self.decisions = 0
+
+    async def start(self) -> None:
+        self.kv = await self.bus.js.key_value(JOBS_BUCKET)
+        self.bus.consume(COMMANDS, "planner-spec", [JOB_SPEC.wildcard()], self._on_command, (JobSpec,))
+        self.bus.consume(
+            EVENTS, "planner-events",
+            [REGISTERED.wildcard(), FAILED.wildcard(), HUNG.wildcard(), ACK.wildcard(), EXITED.wildcard()],
+            self._on_event, (Registered, RankFailed, RankHung, PlanAck, RankExited),
+            ack_wait_s=10.0,
+        )
+
+    def health_details(self) -> dict[str, str | int | float | bool]:
+        return {"jobs": len(self.jobs), "decisions": self.decisions}
+
+    # -- inputs ------------------------------------------------------------------
+    async def _on_command(self, msg: Message, raw: Msg) -> None:
+        assert isinstance(msg, JobSpec)
+        self.jobs[msg.job] = JobState(spec=msg)
+        self.log.info("job_spec", job=msg.job, world_size=msg.world_size, workers=len(msg.workers))
+        for reg in self._early.pop(msg.job, []):
+            await self._on_registered(reg)
+
+    async def _on_event(self, msg: Message, raw: Msg) -> None:
+        if isinstance(msg, Registered):
+            await self._on_registered(msg)
+        elif isinstance(msg, RankFailed | RankHung):
+            await self._on_fault(msg)
+        elif isinstance(msg, PlanAck):
+            self._on_ack(msg)
+        elif isinstance(msg, RankExited):
+            state = self.jobs.get(msg.job)
+            if state and msg.exit_code == 0 and state.plan and state.plan.rank_of(msg.worker) is not None:
+                state.phase = JobPhase.COMPLETED
+
+    async def _on_registered(self, reg: Registered) -> None:
+        state = self.jobs.get(reg.job)
+        if state is None:
+            self._early.setdefault(reg.job, []).append(reg)
+            return
+        if reg.worker not in state.spec.workers:
+            self.log.warning("unknown_worker", job=reg.job, worker=reg.worker)
+            return
+        if reg.worker in state.lost or reg.worker in state.ranks or reg.worker in state.spares:
+            return  # redelivery
+        (state.ranks if reg.role is Role.RANK else state.spares).append(reg.worker)
+        if state.phase is JobPhase.WAITING and len(state.ranks) >= state.spec.world_size:
+            order = sorted(state.ranks, key=state.spec.workers.index)[: state.spec.world_size]
+            members = [Member(rank=i, worker=w) for i, w in enumerate(order)]
+            await self._apply(state, None, Decision(Action.START, f"{len(members)} ranks registered",
+                                                    members=members))
+
+    async def _on_fault(self, event: RankFailed | RankHung) -> None:
+        state = self.jobs.get(event.job)
+        if state is None:
+            self.log.warning("fault_for_unknown_job", job=event.job, incident=event.incident)
+            return
+        fault = Fault(event.incident, event.worker, event.cause.value, isinstance(event, RankHung))
+        with _tracer.start_as_current_span(
+            "plan", start_time=int(time.time() * 1e9),
+            attributes={"phalanx.job": event.job, "phalanx.incident": event.incident,
+                        "phalanx.worker": event.worker, "phalanx.cause": event.cause.value},
+        ) as span:
+            decision = self.policy.on_fault(state, fault)
+            span.set_attribute("phalanx.action", decision.action.value)
+            span.set_attribute("phalanx.reason", decision.reason)
+            await self._apply(state, event.incident, decision)
+
+    def _on_ack(self, ack: PlanAck) -> None:
+        pending = self._pending.get(ack.job)
+        if pending is None or ack.generation != pending.generation:
+            return
+        pending.waiting.discard(ack.worker)
+        if not pending.waiting:
+            pending.notify.end()
+            del self._pending[ack.job]
+            state = self.jobs.get(ack.job)
+            if state and state.phase is JobPhase.RECOVERING:
+                state.phase = JobPhase.RUNNING
+            self.log.info("plan_acknowledged", job=ack.job, generation=ack.generation)
+
+    # -- decisions -----------------------------------------------------------------
+    async def _apply(self, state: JobState, incident: str | None, d: Decision) -> None:
+        job = state.spec.job
+        self.decisions += 1
+        for w in d.removed:
+            state.lost.add(w)
+            if w in state.spares:
+                state.spares.remove(w)
+        for w in d.spares_used:
+            state.spares.remove(w)
+        generation = None
+        if d.members is not None:
+            plan = Plan(
+                job=job, generation=state.generation + 1, members=d.members, spares=list(state.spares),
+                removed=d.removed, incident=incident, reason=d.reason,
+                store_prefix=f"{job}/gen{state.generation + 1}",
+            )
+            await self._commit(plan)
+            state.plan = plan
+            state.phase = JobPhase.RECOVERING if incident else JobPhase.RUNNING
+            generation = plan.generation
+        elif d.action is Action.STOP:
+            state.phase = JobPhase.STOPPED
+        self.log.info("decision", job=job, incident=incident, action=d.action.value, reason=d.reason,
+                      generation=generation)
+        await self.bus.publish(
+            DECISION, PlanDecision(job=job, incident=incident, action=d.action, reason=d.reason,
+                                   generation=generation),
+            job=job, msg_id=f"{job}:decision:{incident or 'start'}",
+        )
+
+    async def _commit(self, plan: Plan) -> None:
+        """Compare-and-set the job's plan in KV, then publish it."""
+        key = f"{plan.job}.plan"
+        payload, headers = encode(plan)
+        try:
+            entry = await self.kv.get(key)
+            current = entry.revision
+        except Exception:
+            current = None
+        try:
+            if current is None:
+                await self.kv.create(key, payload)
+            else:
+                await self.kv.update(key, payload, last=current)
+        except KeyWrongLastSequenceError as exc:
+            raise RuntimeError(f"plan {plan.job} gen {plan.generation}: lost the compare-and-set") from exc
+        prev = self._pending.pop(plan.job, None)
+        if prev is not None:
+            prev.notify.set_attribute("phalanx.superseded_by", plan.generation)
+            prev.notify.end()
+        notify = _tracer.start_span("notify", attributes={
+            "phalanx.job": plan.job, "phalanx.generation": plan.generation})
+        self._pending[plan.job] = _Pending(plan.generation, notify, {m.worker for m in plan.members})
+        await self.bus.publish(PLAN, plan, job=plan.job, msg_id=f"{plan.job}:plan:{plan.generation}")
