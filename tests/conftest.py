@@ -13,29 +13,16 @@ Tests that stop and restart the server use ``nats_server`` (always the binary).
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from _docker import docker_available  # tests/ is on sys.path (rootdir conftest)
 from phalanx.bus import Bus
 from phalanx.natsserver import NatsServer
 
-
-def docker_available() -> tuple[bool, str]:
-    """Whether a Docker engine answers, and if not, why."""
-    if shutil.which("docker") is None:
-        return False, "no docker client on PATH"
-    try:
-        out = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, f"docker info failed: {exc}"
-    if out.returncode != 0:
-        return False, "no Docker engine answers (`docker info`: " + (out.stderr.strip().splitlines() or ["?"])[-1] + ")"
-    return True, out.stdout.strip()
+__all__ = ["docker_available"]
 
 
 @pytest.fixture

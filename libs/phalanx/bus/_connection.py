@@ -278,6 +278,7 @@ class Bus:
         batch: int,
     ) -> None:
         sub = None
+        handled: dict[tuple[int, Any], None] = {}  # (stream seq, stored at) of handled messages
         while not self._closing:
             try:
                 if sub is None:
@@ -290,6 +291,11 @@ class Bus:
             except (TimeoutError, asyncio.TimeoutError):
                 continue
             except asyncio.CancelledError:
+                # Unsubscribe, or close()'s drain waits 30 s on this pull subscription's
+                # queue (nats.py's fetch discards late status messages without task_done).
+                if sub is not None:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
                 raise
             except Exception as exc:
                 # Server restart, lost connection, stream or consumer gone: re-bind.
@@ -299,18 +305,30 @@ class Bus:
                         await sub.unsubscribe()
                 sub = None
                 with contextlib.suppress(Exception):
-                    await ensure_topology(self.js)
+                    # bounded: a request that reached a server going down is never answered
+                    await asyncio.wait_for(ensure_topology(self.js), 1.0)
                 await asyncio.sleep(0.2)
                 continue
             for raw in msgs:
-                await self._deliver(raw, handler, expected)
+                await self._deliver(raw, handler, expected, handled)
 
     async def _deliver(
         self,
         raw: Msg,
         handler: Callable[[Message, Msg], Awaitable[None]],
         expected: tuple[type[Message], ...],
+        handled: dict[tuple[int, Any], None] | None = None,
     ) -> None:
+        # A redelivery of a message this consumer already handled (its ack was lost,
+        # e.g. in a server restart) is acknowledged again, not handled twice.
+        key = None
+        if handled is not None:
+            with contextlib.suppress(Exception):
+                md = raw.metadata
+                key = (md.sequence.stream, md.timestamp)
+                if md.num_delivered > 1 and key in handled:
+                    await raw.ack()
+                    return
         try:
             msg = decode(raw.data, raw.headers)
             if not isinstance(msg, expected):
@@ -331,5 +349,9 @@ class Bus:
                 with contextlib.suppress(Exception):
                     await raw.nak(delay=0.5)
                 return
+        if handled is not None and key is not None:
+            handled[key] = None
+            if len(handled) > 100_000:
+                del handled[next(iter(handled))]
         with contextlib.suppress(Exception):
             await raw.ack()

@@ -9,6 +9,7 @@ plan under ``<job>.plan``; it only moves forward by compare-and-set.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
@@ -35,8 +36,13 @@ STREAMS = (EVENTS, COMMANDS, SCHED, ERRORS)
 JOBS_BUCKET = "phalanx_jobs"
 
 
-async def ensure_topology(js: JetStreamContext, replicas: int = 1) -> None:
-    """Create every stream and bucket, or leave them as they are if they exist."""
+async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> None:
+    """Create every stream and bucket, or leave them as they are if they exist.
+
+    ``replicas`` defaults to ``PHALANX_STREAM_REPLICAS`` (1); 3 on a 3-node cluster.
+    """
+    if replicas is None:
+        replicas = int(os.environ.get("PHALANX_STREAM_REPLICAS") or 1)
     for spec in STREAMS:
         cfg = StreamConfig(
             name=spec.name,

@@ -1,0 +1,173 @@
+"""The scheduler-signal service: cluster signals in, CapacityChanged / PreemptionNotice out.
+
+Runs every configured source (:mod:`phalanx.services.scheduler_signal.sources`)
+and publishes what they see on ``phalanx.sched.<cluster>.capacity`` and
+``phalanx.sched.<cluster>.preempt`` (stream ``PHALANX_SCHED``), each under a
+``Nats-Msg-Id`` derived from the change itself, so a retry or a restart stores it
+once. What was already published is read back from the stream (the last capacity
+per cluster, the ids of the preemptions announced) the first time a cluster is
+seen.
+
+Environment: ``PHALANX_CLUSTER_FILE`` (and ``PHALANX_CLUSTER_POLL_S``, default
+0.5) for the simulated cluster; in a pod or with ``PHALANX_K8S=1`` the Kubernetes
+watcher (see :class:`~phalanx.services.scheduler_signal.sources.KubeConfig`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+
+from nats.js.errors import NotFoundError
+from opentelemetry import trace
+from phalanx.services.scheduler_signal.sources import (
+    FileClusterSource,
+    KubeConfig,
+    KubeWatchSource,
+    Ledger,
+    Signal,
+    Source,
+)
+
+from phalanx.bus import SCHED, Bus
+from phalanx.bus.subjects import CAPACITY, PREEMPT
+from phalanx.schemas import CapacityChanged, DecodeError, HealthReply, decode
+from phalanx.service import Service, env_float
+
+_tracer = trace.get_tracer("phalanx.scheduler_signal")
+MSG_ID = "Nats-Msg-Id"
+
+
+class StreamHistory:
+    """What ``PHALANX_SCHED`` already holds for a cluster."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    async def last_capacity(self, cluster: str) -> int | None:
+        try:
+            raw = await self.bus.js.get_last_msg(SCHED.name, CAPACITY.format(cluster=cluster))
+        except NotFoundError:
+            return None
+        try:
+            msg = decode(raw.data or b"", raw.headers, CapacityChanged)
+        except DecodeError as err:
+            self.bus.log.warning("bad_capacity_in_stream", cluster=cluster, reason=err.reason)
+            return None
+        return msg.available_slots
+
+    async def announced(self, cluster: str) -> set[str]:
+        subject = PREEMPT.format(cluster=cluster)
+        ids: set[str] = set()
+        seq = 1
+        while True:
+            try:
+                raw = await self.bus.js.get_msg(SCHED.name, seq=seq, subject=subject, next=True)
+            except NotFoundError:
+                return ids
+            if raw.headers and raw.headers.get(MSG_ID):
+                ids.add(raw.headers[MSG_ID])
+            seq = (raw.seq or seq) + 1
+
+
+def sources_from_env(bus: Bus) -> list[Source]:
+    """The sources the environment asks for (possibly none)."""
+    history = StreamHistory(bus)
+    sources: list[Source] = []
+    path = os.environ.get("PHALANX_CLUSTER_FILE")
+    if path:
+        poll = env_float("PHALANX_CLUSTER_POLL_S", 0.5)
+        sources.append(FileClusterSource(path, Ledger(history, "file"), poll_s=poll))
+    kube = KubeConfig.from_env()
+    if kube is not None:
+        sources.append(KubeWatchSource(kube, Ledger(history, "k8s")))
+    return sources
+
+
+class SchedulerSignal(Service):
+    name = "scheduler-signal"
+
+    def __init__(self, bus: Bus, sources: list[Source] | None = None) -> None:
+        super().__init__(bus)
+        self.sources = sources if sources is not None else sources_from_env(bus)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.published: dict[str, int] = {"capacity_changed": 0, "preemption_notice": 0}
+
+    async def start(self) -> None:
+        if not self.sources:
+            self.log.warning("no_sources", hint="set PHALANX_CLUSTER_FILE, or PHALANX_K8S=1 / run in a pod")
+        for src in self.sources:
+            self._tasks.append(asyncio.create_task(self._run(src), name=f"source:{src.name}"))
+        self.log.info("sources_started", sources=[s.name for s in self.sources])
+
+    async def _run(self, src: Source) -> None:
+        try:
+            await src.run(self.emit)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.log.exception("source_failed", source=src.name, error=repr(exc))
+            raise
+
+    async def emit(self, sig: Signal) -> None:
+        """Publish one signal (under its de-duplication id) in a span of its own."""
+        msg = sig.message
+        with _tracer.start_as_current_span(
+            f"signal {msg.KIND}",
+            attributes={
+                "phalanx.cluster": msg.cluster,
+                "phalanx.source": msg.source,
+                "messaging.message.id": sig.msg_id,
+            },
+        ):
+            await self.bus.publish(sig.subject, msg, msg_id=sig.msg_id, cluster=msg.cluster)
+        self.published[msg.KIND] += 1
+        if isinstance(msg, CapacityChanged):
+            self.log.info(
+                "capacity_changed",
+                cluster=msg.cluster,
+                available=msg.available_slots,
+                delta=msg.delta,
+                source=msg.source,
+                msg_id=sig.msg_id,
+            )
+        else:
+            self.log.info(
+                "preemption_notice",
+                cluster=msg.cluster,
+                job=msg.job,
+                workers=msg.workers,
+                deadline_s=msg.deadline_s,
+                source=msg.source,
+                msg_id=sig.msg_id,
+            )
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+
+    def _failed(self) -> dict[str, str]:
+        return {
+            t.get_name(): repr(t.exception())
+            for t in self._tasks
+            if t.done() and not t.cancelled() and t.exception() is not None
+        }
+
+    def health(self) -> HealthReply:
+        reply = super().health()
+        return reply.model_copy(update={"status": "degraded"}) if self._failed() else reply
+
+    def health_details(self) -> dict[str, str | int | float | bool]:
+        details: dict[str, str | int | float | bool] = {
+            "sources": ",".join(s.name for s in self.sources),
+            **{f"published.{k}": v for k, v in self.published.items()},
+        }
+        for src in self.sources:
+            details.update(src.details())
+        details.update({f"failed.{name}": err for name, err in self._failed().items()})
+        return details
