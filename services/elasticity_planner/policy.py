@@ -64,6 +64,8 @@ class Policy(Protocol):
 class ReplaceOrShrink:
     def on_fault(self, state: JobState, fault: Fault) -> Decision:
         plan = state.plan
+        if state.phase in (JobPhase.STOPPED, JobPhase.COMPLETED):
+            return Decision(Action.HOLD, f"job is {state.phase.value}: {fault.worker} {fault.cause} needs no plan")
         if fault.worker in state.lost:
             return Decision(Action.HOLD, f"{fault.worker} already handled")
         if fault.worker in state.spares:

@@ -13,13 +13,17 @@ A comma-separated list of ``action:worker@point``:
 FaultPlan(faults=(Fault(action='kill', worker='w2', point='step', value=5), ...))
 
 Faults name a worker, not a rank, so a spare that takes over a rank does not
-inherit its predecessor's fault.
+inherit its predecessor's fault. With ``PHALANX_FAULT_LOG`` set, each fault
+appends ``{"worker", "action", "point", "value", "ts"}`` to that file just before
+it strikes: benchmarks measure downtime from that instant.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 import signal
 import threading
 from dataclasses import dataclass
@@ -56,7 +60,20 @@ class FaultPlan:
     def fire(self, worker: str, point: str, value: int) -> None:
         for f in self.faults:
             if f.worker == worker and f.point == point and f.value == value:
+                _log(f)
                 _do(f.action)
+
+
+def _log(f: Fault) -> None:
+    path = os.environ.get("PHALANX_FAULT_LOG")
+    if path:
+        line = json.dumps({"worker": f.worker, "action": f.action, "point": f.point, "value": f.value,
+                           "ts": time.time()})
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
 
 
 def _do(action: str) -> None:

@@ -51,6 +51,16 @@ def _need(name: str) -> str:
     return value
 
 
+def _warm_imports() -> None:
+    """Import what the first optimizer and process group would import later.
+
+    Constructing the first ``torch.optim`` optimizer imports ``torch._dynamo``
+    (about 1 s here), holding the GIL in long stretches: started after the agent,
+    it silences heartbeats for hundreds of ms. A hot spare pays it now, once.
+    """
+    import torch._dynamo  # noqa: F401
+
+
 def init() -> Job:
     job, worker = _need("PHALANX_JOB"), _need("PHALANX_WORKER")
     try:
@@ -58,6 +68,7 @@ def init() -> Job:
     except ValueError as exc:
         raise LaunchEnvError(f"PHALANX_ROLE must be one of {[r.value for r in Role]}") from exc
     faults = FaultPlan.from_env()
+    _warm_imports()
     setup_logging(f"rank-{worker}")
     setup_tracing("phalanx-rank")
     status = RankStatus(job=job, worker=worker)

@@ -33,6 +33,7 @@ class Phase(StrEnum):
     COMPUTE = "compute"
     COLLECTIVE = "collective"
     RECOVERING = "recovering"
+    DONE = "done"  # last heartbeat of a worker leaving cleanly: stop watching it
 
 
 class Heartbeat(JobMessage):

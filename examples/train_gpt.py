@@ -1,0 +1,89 @@
+"""Train the byte-level GPT under Phalanx: the example a user's script follows.
+
+    phalanx run --nproc 4 --spares 1 -- python -m examples.train_gpt --steps 200
+
+Compared with a plain DDP script, the changes are: ``phalanx.runtime.init()``
+instead of ``init_process_group``, and a :class:`~phalanx.runtime.trainer.Trainer`
+(given a loss function and the data stream's shards) instead of ``DDP(model)``
+and the hand-written loop. Rank 0 of the last generation writes the final
+weights with ``--save`` so runs can be compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from examples.corpus import DEFAULT_OUT, build_corpus
+from examples.gpt import GPT, GPTConfig
+from phalanx.runtime.data import DataStream
+from phalanx.runtime.job import init
+from phalanx.runtime.trainer import Trainer
+
+
+def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits, _ = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=GPTConfig.n_layer)
+    p.add_argument("--n-embd", type=int, default=GPTConfig.n_embd)
+    p.add_argument("--n-head", type=int, default=GPTConfig.n_head)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=str(DEFAULT_OUT))
+    p.add_argument("--save", help="rank 0 writes the final state_dict here")
+    p.add_argument("--steps-log", help="rank 0 appends one JSON line per completed step")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    job = init()  # 1. register with the job, heartbeat, follow plans
+    if not Path(args.data).exists():
+        build_corpus(Path(args.data))
+    cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
+    model = GPT(cfg, seed=args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    stream = DataStream.open(args.data, args.seq_len, args.seed)
+    G, m = args.global_batch, args.micro_batch
+    log = open(args.steps_log, "a") if args.steps_log else None  # noqa: SIM115
+
+    def on_step(step: int, step_ms: float) -> None:
+        if log is not None and trainer.rank == 0:
+            log.write(json.dumps({"step": step, "ms": step_ms, "worker": job.worker,
+                                  "generation": trainer.generation}) + "\n")
+            log.flush()
+
+    trainer = Trainer(  # 2. instead of DDP(model) and the loop
+        job, model, opt,
+        batches=lambda step, w, r: stream.shard(step, G, w, r).micro_batches(m),
+        loss_fn=lm_loss, global_batch=G, seed=args.seed,
+        data_state=lambda step: stream.position(step, G).to_dict(),
+        on_step=on_step,
+    )
+    done = trainer.fit(args.steps)
+    if args.save and trainer.rank == 0 and done >= args.steps:
+        tmp = f"{args.save}.tmp.{os.getpid()}"
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, args.save)
+    job.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""``python -m phalanx.services.failure_detector``: run the detector until SIGTERM.
+
+Configuration comes from the environment (see :mod:`.service`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+from phalanx.services.failure_detector.service import FailureDetector
+
+from phalanx.service import run_service
+
+
+def main() -> None:
+    # Objects alive after start-up (modules, pydantic schemas) never die: keep them
+    # out of the collector's way so its pauses stay short.
+    gc.freeze()
+    asyncio.run(run_service(FailureDetector))
+
+
+if __name__ == "__main__":
+    main()

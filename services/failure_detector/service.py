@@ -1,0 +1,403 @@
+"""The failure-detector service: the bus side of :mod:`.detector`.
+
+It listens to
+
+- heartbeats, ``phalanx.hb.<job>.<worker>`` (core NATS, untraced, every rank and
+  spare every interval);
+- process exits, ``phalanx.evt.<job>.exited`` (JetStream, durable consumer
+  ``failure-detector-exits``: the launcher's fast crash path);
+- plans, ``phalanx.cmd.<job>.plan`` (JetStream, durable consumer
+  ``failure-detector-plans``: membership, generation, removed workers);
+
+and publishes one verdict per incident: :class:`~phalanx.schemas.RankFailed` on
+``phalanx.evt.<job>.failed`` (a process exited non-zero or by a signal) or
+:class:`~phalanx.schemas.RankHung` on ``phalanx.evt.<job>.hung`` (heartbeats lost,
+or a step stall), with the incident id ``<job>:<worker>:<pid>`` as
+``Nats-Msg-Id``, so a detector restart or a second path never makes a second event.
+
+Each verdict opens a new trace: a root span ``detect`` that starts at the
+inferred fault time, links to the message that triggered it (an exit report),
+and ends once the event is stored; the event carries that trace downstream.
+
+A tick loop asks the detector for expired deadlines. Before it judges, it makes
+sure every heartbeat the server already sent has been observed (a PING/PONG
+round trip, then the subscription's queue drained), so a detector that was
+itself slow does not blame the ranks. While disconnected from NATS, or after its
+own event loop stalled, it holds all verdicts (:meth:`Detector.hold`).
+
+Configuration (environment; a bad value stops start-up with a ValueError):
+
+- ``NATS_URL``: the NATS server.
+- ``PHALANX_HEARTBEAT_MS`` (100): the heartbeat interval assumed for the
+  service's own timing (tick, lag, grace). Each worker's window starts from the
+  interval its heartbeats declare and then learns the real one.
+- ``PHALANX_DETECTOR_PHI`` (8): phi threshold.
+- ``PHALANX_DETECTOR_WINDOW`` (100): inter-arrival samples kept per worker.
+- ``PHALANX_DETECTOR_MIN_STD_RATIO`` (0.2), ``PHALANX_DETECTOR_MIN_STD_MS`` (20):
+  floors of sigma, as a fraction of the mean interval and absolute.
+- ``PHALANX_DETECTOR_PAUSE_RATIO`` (0.15): acceptable pause added to the mean,
+  as a fraction of it. With these defaults a regular sender is declared lost
+  about 2.3 intervals after its last heartbeat.
+- ``PHALANX_STALL_FLOOR_MS`` (5000), ``PHALANX_STALL_FACTOR`` (4): a rank stalls
+  after ``max(floor, factor x max recent step_ms)`` in COMPUTE without a step;
+  ``PHALANX_STALL_INITIAL_MS`` (60000) before it has completed any step.
+- ``PHALANX_DETECTOR_TICK_MS`` (interval/10, within 5..100): tick period.
+- ``PHALANX_DETECTOR_MAX_LAG_MS`` (interval/2, at least 50): a tick this late
+  means the detector itself stalled; verdicts are held.
+- ``PHALANX_DETECTOR_GRACE_MS`` (2 x interval): hold kept after a reconnect.
+- ``PHALANX_DETECTOR_JOB`` (all jobs): watch one job only.
+- ``PHALANX_DETECTOR_EXIT_MAX_AGE_S`` (3600): exit reports older than this (a
+  first start over an old stream) are logged, not judged.
+
+Run it with ``python -m phalanx.services.failure_detector``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, SpanKind
+from phalanx.services.failure_detector.detector import Clock, Detector, DetectorConfig, Incident
+
+from phalanx.bus import COMMANDS, EVENTS, Bus
+from phalanx.bus.subjects import EXITED, FAILED, HEARTBEAT, HUNG, PLAN
+from phalanx.schemas import DecodeError, Heartbeat, Message, Plan, RankExited, RankFailed
+from phalanx.service import Service
+from phalanx.telemetry import extract_context
+
+__all__ = ["FailureDetector", "ServiceConfig"]
+
+_tracer = trace.get_tracer("phalanx.failure_detector")
+
+
+def _num(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number") from exc
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The detector's tuning plus the service's own timing."""
+
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
+    heartbeat_s: float = 0.1
+    tick_s: float = 0.01
+    max_lag_s: float = 0.05
+    reconnect_grace_s: float = 0.2
+    drain_timeout_s: float = 0.5
+    job: str | None = None
+    exit_max_age_s: float = 3600.0
+
+    @classmethod
+    def for_interval(cls, heartbeat_s: float, **overrides: Any) -> ServiceConfig:
+        """Timing derived from an assumed heartbeat interval (as from the environment).
+
+        >>> c = ServiceConfig.for_interval(0.5)
+        >>> c.tick_s, c.max_lag_s, c.reconnect_grace_s
+        (0.05, 0.25, 1.0)
+        """
+        values: dict[str, Any] = dict(
+            heartbeat_s=heartbeat_s,
+            tick_s=min(0.1, max(0.005, heartbeat_s / 10)),
+            max_lag_s=max(0.05, heartbeat_s / 2),
+            reconnect_grace_s=2 * heartbeat_s,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ServiceConfig:
+        """Read the ``PHALANX_*`` variables above; raises ValueError on a bad value."""
+        e = os.environ if env is None else env
+        hb = _num(e, "PHALANX_HEARTBEAT_MS", 100.0) / 1e3
+        base = cls.for_interval(hb)
+        d = DetectorConfig()
+        detector = DetectorConfig(
+            phi_threshold=_num(e, "PHALANX_DETECTOR_PHI", d.phi_threshold),
+            window=int(_num(e, "PHALANX_DETECTOR_WINDOW", d.window)),
+            min_std_ratio=_num(e, "PHALANX_DETECTOR_MIN_STD_RATIO", d.min_std_ratio),
+            min_std_s=_num(e, "PHALANX_DETECTOR_MIN_STD_MS", d.min_std_s * 1e3) / 1e3,
+            pause_ratio=_num(e, "PHALANX_DETECTOR_PAUSE_RATIO", d.pause_ratio),
+            stall_floor_s=_num(e, "PHALANX_STALL_FLOOR_MS", d.stall_floor_s * 1e3) / 1e3,
+            stall_factor=_num(e, "PHALANX_STALL_FACTOR", d.stall_factor),
+            stall_initial_s=_num(e, "PHALANX_STALL_INITIAL_MS", d.stall_initial_s * 1e3) / 1e3,
+        )
+        job = e.get("PHALANX_DETECTOR_JOB") or None
+        if job is not None:
+            HEARTBEAT.wildcard(job=job)  # raises ValueError if not a plain name
+        return cls(
+            detector=detector,
+            heartbeat_s=hb,
+            tick_s=_num(e, "PHALANX_DETECTOR_TICK_MS", base.tick_s * 1e3) / 1e3,
+            max_lag_s=_num(e, "PHALANX_DETECTOR_MAX_LAG_MS", base.max_lag_s * 1e3) / 1e3,
+            reconnect_grace_s=_num(e, "PHALANX_DETECTOR_GRACE_MS", base.reconnect_grace_s * 1e3) / 1e3,
+            job=job,
+            exit_max_age_s=_num(e, "PHALANX_DETECTOR_EXIT_MAX_AGE_S", base.exit_max_age_s),
+        )
+
+
+class FailureDetector(Service):
+    """Heartbeats, exits and plans in; one RankFailed/RankHung per incident out.
+
+    ``run_service(FailureDetector)`` runs it with the configuration from the
+    environment; tests build one directly::
+
+        svc = FailureDetector(bus, ServiceConfig.for_interval(0.5))
+        await svc.start()
+        ...
+        await svc.stop()
+    """
+
+    name = "failure-detector"
+
+    def __init__(
+        self,
+        bus: Bus,
+        config: ServiceConfig | None = None,
+        *,
+        clock: Clock = time.monotonic,
+        wall: Clock = time.time,
+    ) -> None:
+        super().__init__(bus)
+        self.config = config or ServiceConfig.from_env()
+        self.detector = Detector(self.config.detector, clock=clock, wall=wall)
+        self.clock, self.wall = clock, wall
+        self.reported = 0
+        self.publish_retries = 0
+        self.stale_exits = 0
+        self.lag_holds = 0
+        self.backlog_holds = 0
+        self.ticks = 0
+        self._hb_sub: Any = None
+        self._tick_task: asyncio.Task[None] | None = None
+        self._reports: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        tokens = {"job": cfg.job} if cfg.job else {}
+        suffix = f"-{cfg.job}" if cfg.job else ""
+        self._hb_sub = await self.bus.subscribe(
+            HEARTBEAT.wildcard(**tokens), self._on_heartbeat, Heartbeat, trace_messages=False
+        )
+        self.bus.consume(
+            EVENTS,
+            f"failure-detector-exits{suffix}",
+            [EXITED.wildcard(**tokens)],
+            self._on_exit,
+            (RankExited,),
+        )
+        self.bus.consume(
+            COMMANDS, f"failure-detector-plans{suffix}", [PLAN.wildcard(**tokens)], self._on_plan, (Plan,)
+        )
+        self._tick_task = asyncio.create_task(self._tick_loop(), name="failure-detector-tick")
+        self.log.info(
+            "detector_started",
+            job=cfg.job or "*",
+            heartbeat_ms=cfg.heartbeat_s * 1e3,
+            tick_ms=cfg.tick_s * 1e3,
+            phi=cfg.detector.phi_threshold,
+        )
+
+    async def stop(self) -> None:
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tick_task
+        if self._reports:  # let verdicts already decided reach the bus
+            _, pending = await asyncio.wait(set(self._reports), timeout=5.0)
+            for t in pending:
+                t.cancel()
+        if self._hb_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._hb_sub.unsubscribe()
+
+    def health_details(self) -> dict[str, str | int | float | bool]:
+        s = self.detector.stats
+        return {
+            "tracked_workers": len(self.detector),
+            "incidents_reported": self.reported,
+            "incidents_decided": s.incidents,
+            "pending_reports": len(self._reports),
+            "decode_errors": self.bus.decode_errors,
+            "heartbeats": s.heartbeats,
+            "ignored_heartbeats": s.ignored_heartbeats,
+            "clean_exits": s.clean_exits,
+            "repeated_exits": s.repeated_exits,
+            "stale_exits": self.stale_exits,
+            "stale_plans": s.stale_plans,
+            "holds": s.holds,
+            "lag_holds": self.lag_holds,
+            "backlog_holds": self.backlog_holds,
+            "publish_retries": self.publish_retries,
+            "reconnects": self.bus.reconnects,
+            "ticks": self.ticks,
+        }
+
+    # -- inputs --------------------------------------------------------------------
+    async def _refuse(self, raw: Msg, msg: Message, why: str) -> None:
+        await self.bus.report_bad_input(raw.subject, DecodeError(why, msg.KIND))
+
+    async def _on_heartbeat(self, hb: Heartbeat, raw: Msg) -> None:
+        parts = raw.subject.split(".")
+        if parts[2:] != [hb.job, hb.worker]:
+            await self._refuse(raw, hb, f"heartbeat of {hb.job}/{hb.worker} on {raw.subject}")
+            return
+        self.detector.observe(hb)
+
+    async def _on_exit(self, msg: Message, raw: Msg) -> None:
+        if not isinstance(msg, RankExited):  # the bus already refuses other kinds
+            return
+        if raw.subject != EXITED.format(job=msg.job):
+            await self._refuse(raw, msg, f"exit of job {msg.job} on {raw.subject}")
+            return
+        age = self.wall() - msg.exited_at
+        if age > self.config.exit_max_age_s:
+            self.stale_exits += 1
+            self.log.warning(
+                "stale_exit_ignored", job=msg.job, worker=msg.worker, pid=msg.pid, age_s=round(age, 1)
+            )
+            return
+        incident = self.detector.on_exit(msg)
+        if incident is None:
+            self.log.info(
+                "exit_no_incident",
+                job=msg.job,
+                worker=msg.worker,
+                pid=msg.pid,
+                exit_code=msg.exit_code,
+                signal=msg.signal,
+            )
+            return
+        # Acked only once the verdict is stored: a crash here redelivers the exit.
+        await self._report(incident, extract_context(raw.headers))
+
+    async def _on_plan(self, msg: Message, raw: Msg) -> None:
+        if not isinstance(msg, Plan):
+            return
+        if raw.subject != PLAN.format(job=msg.job):
+            await self._refuse(raw, msg, f"plan of job {msg.job} on {raw.subject}")
+            return
+        if not self.detector.apply_plan(msg):
+            self.log.info("stale_plan_ignored", job=msg.job, generation=msg.generation)
+
+    # -- judgement -----------------------------------------------------------------
+    async def _tick_loop(self) -> None:
+        cfg = self.config
+        last = self.clock()
+        while True:
+            await asyncio.sleep(cfg.tick_s)
+            now = self.clock()
+            lag, last = now - last - cfg.tick_s, now
+            self.ticks += 1
+            try:
+                if not self.bus.nc.is_connected:
+                    self.detector.hold(now + cfg.reconnect_grace_s)
+                    continue
+                if lag > cfg.max_lag_s:
+                    self.lag_holds += 1
+                    self.detector.hold(now)
+                    self.log.warning("detector_lagged", lag_ms=round(lag * 1e3, 1))
+                    continue
+                if not self.detector.due():
+                    continue
+                if not await self._caught_up():
+                    self.backlog_holds += 1
+                    self.detector.hold(self.clock())
+                    continue
+                for incident in self.detector.tick():
+                    task = asyncio.create_task(self._report(incident), name=f"report:{incident.id}")
+                    self._reports.add(task)
+                    task.add_done_callback(self._reports.discard)
+            except Exception as exc:  # the loop must outlive any one bad tick
+                self.log.exception("tick_failed", error=repr(exc))
+
+    async def _caught_up(self) -> bool:
+        """Whether every heartbeat the server sent so far has been observed.
+
+        The PONG to a PING comes after every message the server sent before it,
+        so once :meth:`flush` returns they all sit in the subscription's queue;
+        then let the subscription's task empty it.
+        """
+        try:
+            # nats.py annotates the timeout as int; it is handed to asyncio.wait_for.
+            await self.bus.nc.flush(timeout=self.config.drain_timeout_s)  # type: ignore[arg-type]
+        except Exception:
+            return False
+        deadline = self.clock() + self.config.drain_timeout_s
+        spins = 0
+        while self._hb_sub is not None and self._hb_sub.pending_msgs > 0:
+            if self.clock() > deadline:
+                return False
+            spins += 1
+            await asyncio.sleep(0 if spins < 100 else 0.001)
+        return True
+
+    async def _report(self, incident: Incident, trigger: Context | None = None) -> None:
+        """Publish one verdict inside its own trace, retrying until it is stored."""
+        links = []
+        if trigger is not None:
+            ctx = trace.get_current_span(trigger).get_span_context()
+            if ctx.is_valid:
+                links.append(Link(ctx, {"phalanx.link": "trigger"}))
+        attrs: dict[str, str | int | float | bool] = {
+            "phalanx.job": incident.job,
+            "phalanx.worker": incident.worker,
+            "phalanx.rank": incident.rank,
+            "phalanx.generation": incident.generation,
+            "phalanx.cause": incident.cause.value,
+            "phalanx.incident": incident.id,
+            "phalanx.pid": incident.pid,
+        }
+        attrs.update({f"phalanx.evidence.{k}": v for k, v in incident.evidence.items()})
+        start_ns = int(min(incident.fault_at, self.wall()) * 1e9)
+        event = incident.to_event()
+        subject = FAILED if isinstance(event, RankFailed) else HUNG
+        with _tracer.start_as_current_span(
+            "detect",
+            context=Context(),
+            kind=SpanKind.INTERNAL,
+            start_time=start_ns,
+            links=links,
+            attributes=attrs,
+        ) as span:
+            delay = 0.2
+            while True:
+                try:
+                    await self.bus.publish(subject, event, msg_id=incident.id, job=incident.job)
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    self.publish_retries += 1
+                    self.log.warning("report_retry", incident=incident.id, error=repr(exc))
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 2.0)
+            span.set_attribute("phalanx.detect_ms", round((event.detected_at - incident.fault_at) * 1e3, 2))
+        self.reported += 1
+        self.log.warning(
+            "incident",
+            incident=incident.id,
+            cause=incident.cause.value,
+            rank=incident.rank,
+            generation=incident.generation,
+            detect_ms=round((event.detected_at - incident.fault_at) * 1e3, 1),
+            evidence=incident.evidence,
+        )

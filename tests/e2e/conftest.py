@@ -1,0 +1,65 @@
+"""End-to-end fixtures: a real local stack (nats-server, failure-detector and
+elasticity-planner as separate processes) and real multi-process training jobs
+of the example GPT under the launcher."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx.localstack import JobResult, LocalStack
+
+STEPS = 16
+SMALL_GPT = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "64", "--global-batch", "12", "--micro-batch", "2"]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from examples.corpus import build_corpus
+
+    path = tmp_path_factory.mktemp("data") / "corpus.bin"
+    build_corpus(path, max_bytes=1 << 20)
+    return path
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    env = {"PHALANX_STALL_FLOOR_MS": "1500", "PHALANX_STALL_INITIAL_MS": "10000"}
+    with LocalStack(tmp_path_factory.mktemp("stack"), services=("failure-detector", "elasticity-planner"),
+                    env=env) as s:
+        yield s
+
+
+RunJob = Callable[..., tuple[JobResult, dict[str, torch.Tensor] | None]]
+
+
+@pytest.fixture(scope="session")
+def run_job(stack: LocalStack, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> RunJob:
+    out = tmp_path_factory.mktemp("weights")
+    counter = iter(range(1_000_000))
+
+    def run(*, nproc: int = 3, spares: int = 0, faults: str = "", steps: int = STEPS,
+            timeout_s: float = 180.0) -> tuple[JobResult, dict[str, torch.Tensor] | None]:
+        job = f"e2e{next(counter)}"
+        save = out / f"{job}.pt"
+        cmd = [sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), "--data", str(corpus),
+               "--save", str(save), *SMALL_GPT]
+        result = stack.run_job(job, cmd, nproc=nproc, spares=spares, faults=faults, global_batch=12,
+                               timeout_s=timeout_s)
+        weights = torch.load(save) if save.exists() else None
+        return result, weights
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def reference(run_job: RunJob) -> dict[str, torch.Tensor]:
+    """Final weights of the fault-free run every faulty run must equal bit for bit."""
+    result, weights = run_job()
+    assert result.returncode == 0, result
+    assert weights is not None
+    return weights
