@@ -56,10 +56,21 @@ def run_job(stack: LocalStack, corpus: Path, tmp_path_factory: pytest.TempPathFa
     return run
 
 
+Reference = Callable[[int], dict[str, torch.Tensor]]
+
+
 @pytest.fixture(scope="session")
-def reference(run_job: RunJob) -> dict[str, torch.Tensor]:
-    """Final weights of the fault-free run every faulty run must equal bit for bit."""
-    result, weights = run_job()
-    assert result.returncode == 0, result
-    assert weights is not None
-    return weights
+def reference(run_job: RunJob) -> Reference:
+    """Final weights of the fault-free run of ``nproc`` ranks, which every faulty run
+    of that size must equal bit for bit (computed once per size)."""
+    cache: dict[int, dict[str, torch.Tensor]] = {}
+
+    def get(nproc: int = 3) -> dict[str, torch.Tensor]:
+        if nproc not in cache:
+            result, weights = run_job(nproc=nproc)
+            assert result.returncode == 0, result
+            assert weights is not None
+            cache[nproc] = weights
+        return cache[nproc]
+
+    return get

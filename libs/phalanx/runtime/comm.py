@@ -111,12 +111,18 @@ class Communicator:
         self._backend = None
 
     def _run(self, what: str, fn: Callable[[], object]) -> None:
+        work = None
         try:
             work = fn()
             work.wait()  # type: ignore[attr-defined]
+            return
         except Exception as exc:
-            self.destroy()
-            raise CommError(f"{what} on {self.prefix} failed: {exc}") from exc
+            msg = f"{what} on {self.prefix} failed: {exc}"
+        # The Work object and a chained traceback would keep the group (and its
+        # sockets) alive; peers blocked on us are only released once it is gone.
+        work = None
+        self.destroy()
+        raise CommError(msg)
 
     def allreduce_sum_(self, t: torch.Tensor, timeout_s: float | None = None) -> None:
         opts = dist.AllreduceOptions()
