@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from phalanx.schemas import Action, JobSpec, Member, Plan
 
@@ -38,6 +38,28 @@ class JobState:
     @property
     def generation(self) -> int:
         return self.plan.generation if self.plan else 0
+
+
+def state_to_dict(state: JobState) -> dict[str, Any]:
+    return {
+        "spec": state.spec.model_dump(mode="json"),
+        "phase": state.phase.value,
+        "plan": state.plan.model_dump(mode="json") if state.plan else None,
+        "ranks": list(state.ranks),
+        "spares": list(state.spares),
+        "lost": sorted(state.lost),
+    }
+
+
+def state_from_dict(d: dict[str, Any]) -> JobState:
+    return JobState(
+        spec=JobSpec.model_validate(d["spec"]),
+        phase=JobPhase(d["phase"]),
+        plan=Plan.model_validate(d["plan"]) if d["plan"] else None,
+        ranks=list(d["ranks"]),
+        spares=list(d["spares"]),
+        lost=set(d["lost"]),
+    )
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ membership change, a ``Plan`` committed first in the ``phalanx_jobs`` bucket
 under ``<job>.plan`` by compare-and-set (the generation only moves forward),
 then published with ``Nats-Msg-Id = <job>:plan:<generation>``.
 
+The planner's own state per job (spec, phase, spares, lost workers, current
+plan) is kept in the same bucket under ``<job>.planner`` after every change and
+read back at start, so a restarted planner carries on where the last one was.
+
 Trace: the ``plan`` span (fault received -> plan committed) is a child of the
 incident's ``detect`` span; ``notify`` (committed -> every member acknowledged)
 follows it.
@@ -18,7 +22,8 @@ import time
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
-from nats.js.errors import KeyWrongLastSequenceError
+import msgpack
+from nats.js.errors import KeyWrongLastSequenceError, NoKeysError
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
@@ -47,6 +52,8 @@ from phalanx.services.elasticity_planner.policy import (
     JobState,
     Policy,
     ReplaceOrShrink,
+    state_from_dict,
+    state_to_dict,
 )
 
 _tracer = trace.get_tracer("phalanx.planner")
@@ -74,6 +81,7 @@ class ElasticityPlanner(Service):
 
     async def start(self) -> None:
         self.kv = await self.bus.js.key_value(JOBS_BUCKET)
+        await self._restore()
         self.bus.consume(COMMANDS, "planner-spec", [JOB_SPEC.wildcard()], self._on_command, (JobSpec,))
         self.bus.consume(
             EVENTS, "planner-events",
@@ -82,13 +90,41 @@ class ElasticityPlanner(Service):
             ack_wait_s=10.0,
         )
 
+    # -- persistence -----------------------------------------------------------------
+    async def _save(self, state: JobState) -> None:
+        await self.kv.put(f"{state.spec.job}.planner", msgpack.packb(state_to_dict(state)))
+
+    async def _restore(self) -> None:
+        try:
+            keys = await self.kv.keys()
+        except NoKeysError:
+            return
+        for key in keys:
+            if not key.endswith(".planner"):
+                continue
+            entry = await self.kv.get(key)
+            if not entry.value:
+                continue
+            try:
+                state = state_from_dict(msgpack.unpackb(entry.value))
+            except Exception as exc:  # a record this version cannot read: say so, skip it
+                self.log.error("planner_state_unreadable", key=key, error=repr(exc))
+                continue
+            self.jobs[state.spec.job] = state
+            self.log.info("planner_state_restored", job=state.spec.job, phase=state.phase.value,
+                          generation=state.generation, spares=state.spares)
+
     def health_details(self) -> dict[str, str | int | float | bool]:
         return {"jobs": len(self.jobs), "decisions": self.decisions}
 
     # -- inputs ------------------------------------------------------------------
     async def _on_command(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, JobSpec)
+        current = self.jobs.get(msg.job)
+        if current is not None and current.spec == msg:
+            return  # redelivery
         self.jobs[msg.job] = JobState(spec=msg)
+        await self._save(self.jobs[msg.job])
         self.log.info("job_spec", job=msg.job, world_size=msg.world_size, workers=len(msg.workers))
         for reg in self._early.pop(msg.job, []):
             await self._on_registered(reg)
@@ -104,6 +140,7 @@ class ElasticityPlanner(Service):
             state = self.jobs.get(msg.job)
             if state and msg.exit_code == 0 and state.plan and state.plan.rank_of(msg.worker) is not None:
                 state.phase = JobPhase.COMPLETED
+                await self._save(state)
 
     async def _on_registered(self, reg: Registered) -> None:
         state = self.jobs.get(reg.job)
@@ -116,6 +153,7 @@ class ElasticityPlanner(Service):
         if reg.worker in state.lost or reg.worker in state.ranks or reg.worker in state.spares:
             return  # redelivery
         (state.ranks if reg.role is Role.RANK else state.spares).append(reg.worker)
+        await self._save(state)
         if state.phase is JobPhase.WAITING and len(state.ranks) >= state.spec.world_size:
             order = sorted(state.ranks, key=state.spec.workers.index)[: state.spec.world_size]
             members = [Member(rank=i, worker=w) for i, w in enumerate(order)]
@@ -174,6 +212,7 @@ class ElasticityPlanner(Service):
             generation = plan.generation
         elif d.action is Action.STOP:
             state.phase = JobPhase.STOPPED
+        await self._save(state)
         self.log.info("decision", job=job, incident=incident, action=d.action.value, reason=d.reason,
                       generation=generation)
         await self.bus.publish(

@@ -101,14 +101,22 @@ class Bus:
             await ensure_topology(bus.js)
         return bus
 
-    async def close(self) -> None:
-        """Stop consume loops, flush and drain the connection."""
+    async def close(self, grace_s: float = 3.0) -> None:
+        """Stop consume loops, flush and drain the connection.
+
+        Each consume loop finishes the batch it holds (so nothing fetched waits out
+        its ack_wait before another consumer gets it) and leaves at its next fetch;
+        a loop still busy after ``grace_s`` is cancelled.
+        """
         self._closing = True
-        for t in list(self._tasks):
-            t.cancel()
-        for t in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        tasks = list(self._tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=grace_s)
+            for t in pending:
+                t.cancel()
+            for t in pending:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
         if not self.nc.is_closed:
             with contextlib.suppress(Exception):
                 await self.nc.drain()
@@ -279,38 +287,40 @@ class Bus:
     ) -> None:
         sub = None
         handled: dict[tuple[int, Any], None] = {}  # (stream seq, stored at) of handled messages
-        while not self._closing:
-            try:
-                if sub is None:
-                    try:
-                        await self.js.consumer_info(stream.name, durable)
-                    except NotFoundError:
-                        await self.js.add_consumer(stream.name, config)
-                    sub = await self.js.pull_subscribe_bind(durable, stream=stream.name)
-                msgs = await sub.fetch(batch, timeout=1.0)
-            except (TimeoutError, asyncio.TimeoutError):
-                continue
-            except asyncio.CancelledError:
-                # Unsubscribe, or close()'s drain waits 30 s on this pull subscription's
-                # queue (nats.py's fetch discards late status messages without task_done).
-                if sub is not None:
+        try:
+            while not self._closing:
+                try:
+                    if sub is None:
+                        try:
+                            await self.js.consumer_info(stream.name, durable)
+                        except NotFoundError:
+                            await self.js.add_consumer(stream.name, config)
+                        sub = await self.js.pull_subscribe_bind(durable, stream=stream.name)
+                    msgs = await sub.fetch(batch, timeout=1.0)
+                except (TimeoutError, asyncio.TimeoutError):
+                    continue
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    # Server restart, lost connection, stream or consumer gone: re-bind.
+                    self.log.warning("consume_rebind", durable=durable, error=repr(exc))
+                    if sub is not None:
+                        with contextlib.suppress(Exception):
+                            await sub.unsubscribe()
+                    sub = None
                     with contextlib.suppress(Exception):
-                        await sub.unsubscribe()
-                raise
-            except Exception as exc:
-                # Server restart, lost connection, stream or consumer gone: re-bind.
-                self.log.warning("consume_rebind", durable=durable, error=repr(exc))
-                if sub is not None:
-                    with contextlib.suppress(Exception):
-                        await sub.unsubscribe()
-                sub = None
+                        # bounded: a request that reached a server going down is never answered
+                        await asyncio.wait_for(ensure_topology(self.js), 1.0)
+                    await asyncio.sleep(0.2)
+                    continue
+                for raw in msgs:
+                    await self._deliver(raw, handler, expected, handled)
+        finally:
+            # Unsubscribe, or the connection's drain waits 30 s on this pull subscription's
+            # queue (nats.py's fetch discards late status messages without task_done).
+            if sub is not None:
                 with contextlib.suppress(Exception):
-                    # bounded: a request that reached a server going down is never answered
-                    await asyncio.wait_for(ensure_topology(self.js), 1.0)
-                await asyncio.sleep(0.2)
-                continue
-            for raw in msgs:
-                await self._deliver(raw, handler, expected, handled)
+                    await sub.unsubscribe()
 
     async def _deliver(
         self,

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from torch import nn
@@ -170,6 +171,8 @@ class Trainer:
         removes returns early (its process should then exit 0).
         """
         try:
+            if self.job.role is Role.SPARE:
+                self._warm_up()
             self._join(_Recovery(time.time(), role="start"), first=True)
             while self.step < steps:
                 if self.job.agent.superseded(self.generation):
@@ -183,6 +186,33 @@ class Trainer:
         except Removed:
             self.log.warning("removed_from_job", generation=self._seen)
         return self.step
+
+    def _warm_up(self) -> None:
+        """A hot spare runs one forward/backward and one optimizer step on copies
+        before it is needed, so that kernels, allocator, data order and the
+        optimizer's code paths are warm when it joins. Model, optimizer and
+        RNG state are left as they were (the RNG is also replaced on joining), and
+        the gradient buffer is zeroed again."""
+        t = time.perf_counter()
+        rng = torch.get_rng_state()
+        for p, v in zip(self.params, self._views, strict=True):
+            p.grad = v
+        x, y = self.batches(0, 1, 0)[0]
+        self.loss_fn(self.model, x, y).backward()
+        try:
+            clones = [p.detach().clone().requires_grad_(True) for p in self.params]
+            for c, p in zip(clones, self.params, strict=True):
+                c.grad = p.grad.detach().clone() if p.grad is not None else None
+            type(self.optimizer)(clones, **self.optimizer.defaults).step()
+        except Exception as exc:  # an optimizer that cannot be rebuilt from its defaults
+            self.log.info("optimizer_warm_up_skipped", error=repr(exc))
+        # The first gloo group in a process costs more than later ones: build one here.
+        warm = Communicator(dist.HashStore(), "warm-up", 0, 1, 10.0)
+        warm.allreduce_sum_(self.flat)
+        warm.destroy()
+        self.flat.zero_()
+        torch.set_rng_state(rng)
+        self.log.info("spare_warm", ms=round((time.perf_counter() - t) * 1000, 1))
 
     def _finish(self) -> None:
         if self.comm is not None:

@@ -1,0 +1,148 @@
+"""elasticity-planner against a real nats-server: generation 1 from registrations,
+replacement by a hot spare, a planner restart in the middle of a job, idempotent
+handling of redelivered faults, and refusal of faults it cannot place."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.msg import Msg
+
+from phalanx.bus import JOBS_BUCKET, Bus
+from phalanx.bus.subjects import DECISION, FAILED, HUNG, JOB_SPEC, PLAN, REGISTERED
+from phalanx.schemas import (
+    Action,
+    FaultCause,
+    JobSpec,
+    Plan,
+    PlanDecision,
+    RankFailed,
+    RankHung,
+    Registered,
+    Role,
+    decode,
+    headers_for,
+)
+from phalanx.service import run_service
+from phalanx.services.elasticity_planner.service import ElasticityPlanner
+
+JOB = "pj"
+
+
+class Watcher:
+    """Collects plans and decisions of the job from core subscriptions."""
+
+    def __init__(self) -> None:
+        self.plans: list[Plan] = []
+        self.decisions: list[PlanDecision] = []
+        self.changed = asyncio.Event()
+
+    async def on_msg(self, raw: Msg) -> None:
+        msg = decode(raw.data, raw.headers)
+        (self.plans if isinstance(msg, Plan) else self.decisions).append(msg)  # type: ignore[arg-type]
+        self.changed.set()
+
+    async def wait_for(self, pred: object, timeout: float = 15.0) -> None:
+        async def loop() -> None:
+            while not pred():  # type: ignore[operator]
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(loop(), timeout)
+
+
+@contextlib.asynccontextmanager
+async def planner(url: str) -> AsyncIterator[None]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_service(ElasticityPlanner, url=url, stop=stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
+
+
+async def start_job(bus: Bus, ranks: int = 3, spares: int = 1) -> None:
+    workers = [f"w{i}" for i in range(ranks + spares)]
+    spec = JobSpec(job=JOB, world_size=ranks, min_world_size=ranks, max_world_size=ranks, global_batch=12,
+                   workers=workers)
+    await bus.publish(JOB_SPEC, spec, job=JOB, msg_id="spec-1")
+    for i, w in enumerate(workers):
+        reg = Registered(job=JOB, worker=w, role=Role.RANK if i < ranks else Role.SPARE, host="h", pid=100 + i)
+        await bus.publish(REGISTERED, reg, job=JOB, msg_id=f"reg-{w}")
+
+
+def failed(worker: str, rank: int, generation: int = 1, pid: int = 101) -> RankFailed:
+    return RankFailed(job=JOB, incident=f"{JOB}:{worker}:{pid}", worker=worker, rank=rank, generation=generation,
+                      cause=FaultCause.PROCESS_EXIT, fault_at=1.0)
+
+
+@pytest.fixture
+async def watcher(bus: Bus) -> Watcher:
+    w = Watcher()
+    await bus.nc.subscribe(PLAN.format(job=JOB), cb=w.on_msg)
+    await bus.nc.subscribe(DECISION.format(job=JOB), cb=w.on_msg)
+    return w
+
+
+async def test_replace_survives_a_planner_restart(nats_url: str, bus: Bus, watcher: Watcher) -> None:
+    async with planner(nats_url):
+        await start_job(bus)
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+    gen1 = watcher.plans[0]
+    assert gen1.generation == 1 and [m.worker for m in gen1.members] == ["w0", "w1", "w2"]
+
+    # A new planner process: it must know the job, its spare and its generation.
+    async with planner(nats_url):
+        event = failed("w1", 1)
+        await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
+        await watcher.wait_for(lambda: len(watcher.plans) == 2)
+        gen2 = watcher.plans[1]
+        assert gen2.generation == 2 and gen2.rank_of("w3") == 1 and gen2.removed == ["w1"]
+        assert gen2.incident == event.incident
+
+        # The same fault again (a redelivery with a new message id): no new generation.
+        await bus.publish(FAILED, event, job=JOB, msg_id=event.incident + "-again")
+        # A hang of a worker that is no member any more: a HOLD decision, no plan.
+        stale = RankHung(job=JOB, incident=f"{JOB}:w1:999", worker="w1", rank=1, generation=1,
+                         cause=FaultCause.HEARTBEAT_LOST, fault_at=1.0)
+        await bus.publish(HUNG, stale, job=JOB, msg_id=stale.incident)
+        await watcher.wait_for(lambda: any(d.incident == stale.incident for d in watcher.decisions))
+    assert len(watcher.plans) == 2
+    hold = next(d for d in watcher.decisions if d.incident == stale.incident)
+    assert hold.action is Action.HOLD and "already handled" in hold.reason
+
+    kv = await bus.js.key_value(JOBS_BUCKET)
+    entry = await kv.get(f"{JOB}.plan")
+    assert entry.value is not None
+    assert decode(entry.value, headers_for(Plan), Plan).generation == 2
+
+
+async def test_no_spare_left_is_a_stop_decision(nats_url: str, bus: Bus, watcher: Watcher) -> None:
+    async with planner(nats_url):
+        await start_job(bus, ranks=2, spares=0)
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        event = failed("w0", 0, pid=100)
+        await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
+        await watcher.wait_for(lambda: any(d.action is Action.STOP for d in watcher.decisions))
+    stop = next(d for d in watcher.decisions if d.action is Action.STOP)
+    assert "no spare left" in stop.reason and "min_world_size=2" in stop.reason
+    assert len(watcher.plans) == 1
+
+
+async def test_fault_of_an_unknown_job_changes_nothing(nats_url: str, bus: Bus, watcher: Watcher) -> None:
+    async with planner(nats_url):
+        await start_job(bus)
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        other = RankFailed(job="nojob", incident="nojob:w1:1", worker="w1", rank=1, generation=7,
+                           cause=FaultCause.PROCESS_EXIT, fault_at=1.0)
+        await bus.publish(FAILED, other, job="nojob", msg_id=other.incident)
+        # A later fault of the real job is planned as usual: the unknown one did no harm.
+        event = failed("w2", 2, pid=102)
+        await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
+        await watcher.wait_for(lambda: len(watcher.plans) == 2)
+    assert watcher.plans[1].rank_of("w3") == 2
+    assert all(d.job == JOB for d in watcher.decisions)
