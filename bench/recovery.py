@@ -55,18 +55,36 @@ def fault_steps(trials: int, steps: int, every: int = 10) -> list[int]:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )
 
 
-def phalanx_trial(stack: LocalStack, work: Path, i: int, *, nproc: int, steps: int, step: int,
-                  corpus: Path) -> dict[str, Any]:
+def phalanx_trial(
+    stack: LocalStack, work: Path, i: int, *, nproc: int, steps: int, step: int, corpus: Path
+) -> dict[str, Any]:
     job = f"bench{i}-{int(time.time())}"
     fault_log, steps_log = work / f"{job}.faults", work / f"{job}.steps"
     victim = f"w{1 + i % (nproc - 1)}"
-    cmd = [sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), "--data", str(corpus),
-           "--steps-log", str(steps_log)]
-    result = stack.run_job(job, cmd, nproc=nproc, spares=1, faults=f"kill:{victim}@step={step}",
-                           env={"PHALANX_FAULT_LOG": str(fault_log)})
+    cmd = [
+        sys.executable,
+        "-m",
+        "examples.train_gpt",
+        "--steps",
+        str(steps),
+        "--data",
+        str(corpus),
+        "--steps-log",
+        str(steps_log),
+    ]
+    result = stack.run_job(
+        job,
+        cmd,
+        nproc=nproc,
+        spares=1,
+        faults=f"kill:{victim}@step={step}",
+        env={"PHALANX_FAULT_LOG": str(fault_log)},
+    )
     if result.returncode != 0:
         raise RuntimeError(f"phalanx trial {job} failed: {[d.reason for d in result.decisions]}")
     fault_ts = _read_jsonl(fault_log)[0]["ts"]
@@ -78,19 +96,37 @@ def phalanx_trial(stack: LocalStack, work: Path, i: int, *, nproc: int, steps: i
     resumed = min(e["step"] for e in log if e["generation"] == gen)
     time.sleep(0.5)  # the services export spans every 200 ms
     incident = result.faults[0].incident
-    inc = next(x for x in incidents(_from_file(stack.span_file)) if x.attributes.get("phalanx.incident") == incident)
+    inc = next(
+        x for x in incidents(_from_file(stack.span_file)) if x.attributes.get("phalanx.incident") == incident
+    )
     phases = {r.phase: r.dur_ms / 1000.0 for r in inc.rows}
-    return {"downtime_s": downtime, "lost_steps": max(0, before - (resumed - 1)), "fault_step": step,
-            "victim": victim, "phases": phases, "trace_downtime_s": (inc.downtime_ms or 0) / 1000.0,
-            "detect_ms": (result.faults[0].detected_at - fault_ts) * 1000.0}
+    return {
+        "downtime_s": downtime,
+        "lost_steps": max(0, before - (resumed - 1)),
+        "fault_step": step,
+        "victim": victim,
+        "phases": phases,
+        "trace_downtime_s": (inc.downtime_ms or 0) / 1000.0,
+        "detect_ms": (result.faults[0].detected_at - fault_ts) * 1000.0,
+    }
 
 
-def phalanx_steady(stack: LocalStack, work: Path, *, nproc: int, steps: int, corpus: Path,
-                   warmup: int = 3) -> list[float]:
+def phalanx_steady(
+    stack: LocalStack, work: Path, *, nproc: int, steps: int, corpus: Path, warmup: int = 3
+) -> list[float]:
     job = f"steady-{int(time.time() * 1000)}"
     steps_log = work / f"{job}.steps"
-    cmd = [sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), "--data", str(corpus),
-           "--steps-log", str(steps_log)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "examples.train_gpt",
+        "--steps",
+        str(steps),
+        "--data",
+        str(corpus),
+        "--steps-log",
+        str(steps_log),
+    ]
     result = stack.run_job(job, cmd, nproc=nproc)
     if result.returncode != 0:
         raise RuntimeError(f"steady run failed: {result.decisions}")
@@ -120,14 +156,27 @@ def main(argv: list[str] | None = None) -> int:
             ddp_steady += measure_step_time(args.nproc, args.steady_steps, 3, data=corpus)["step_s"][3:]
             px_steady += phalanx_steady(stack, work, nproc=args.nproc, steps=args.steady_steps, corpus=corpus)
         for i, k in enumerate(ks):
-            px.append(phalanx_trial(stack, work, i, nproc=args.nproc, steps=args.steps, step=k, corpus=corpus))
+            px.append(
+                phalanx_trial(stack, work, i, nproc=args.nproc, steps=args.steps, step=k, corpus=corpus)
+            )
             print(json.dumps({"phalanx_trial": i, **px[-1]}), flush=True)
     for i, k in enumerate(ks):
-        r = run_trial(work / f"restart{i}", nproc=args.nproc, steps=args.steps, kill_at_step=k,
-                      kill_rank=1 + i % (args.nproc - 1), ckpt_every=10, data=corpus)
+        r = run_trial(
+            work / f"restart{i}",
+            nproc=args.nproc,
+            steps=args.steps,
+            kill_at_step=k,
+            kill_rank=1 + i % (args.nproc - 1),
+            ckpt_every=10,
+            data=corpus,
+        )
         rs.append(r)
-        print(json.dumps({"restart_trial": i, **{k2: r[k2] for k2 in ("downtime_s", "lost_steps", "fault_step")}}),
-              flush=True)
+        print(
+            json.dumps(
+                {"restart_trial": i, **{k2: r[k2] for k2 in ("downtime_s", "lost_steps", "fault_step")}}
+            ),
+            flush=True,
+        )
     px_down = statistics.median(t["downtime_s"] for t in px)
     rs_down = statistics.median(t["downtime_s"] for t in rs)
     px_step, ddp_step = statistics.median(px_steady), statistics.median(ddp_steady)

@@ -61,18 +61,26 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     stream = DataStream.open(args.data, args.seq_len, args.seed)
     G, m = args.global_batch, args.micro_batch
-    log = open(args.steps_log, "a") if args.steps_log else None  # noqa: SIM115
+    log = open(args.steps_log, "a") if args.steps_log else None
 
     def on_step(step: int, step_ms: float) -> None:
         if log is not None and trainer.rank == 0:
-            log.write(json.dumps({"step": step, "ms": step_ms, "worker": job.worker,
-                                  "generation": trainer.generation}) + "\n")
+            log.write(
+                json.dumps(
+                    {"step": step, "ms": step_ms, "worker": job.worker, "generation": trainer.generation}
+                )
+                + "\n"
+            )
             log.flush()
 
     trainer = Trainer(  # 2. instead of DDP(model) and the loop
-        job, model, opt,
+        job,
+        model,
+        opt,
         batches=lambda step, w, r: stream.shard(step, G, w, r).micro_batches(m),
-        loss_fn=lm_loss, global_batch=G, seed=args.seed,
+        loss_fn=lm_loss,
+        global_batch=G,
+        seed=args.seed,
         data_state=lambda step: stream.position(step, G).to_dict(),
         on_step=on_step,
     )

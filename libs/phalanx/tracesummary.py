@@ -61,8 +61,16 @@ def _from_file(path: Path) -> list[SpanRecord]:
     for line in path.read_text().splitlines():
         try:
             d = json.loads(line)
-            out.append(SpanRecord(d["trace_id"], d["name"], int(d["start_ns"]), int(d["end_ns"]),
-                                  d.get("service") or "", d.get("attributes") or {}))
+            out.append(
+                SpanRecord(
+                    d["trace_id"],
+                    d["name"],
+                    int(d["start_ns"]),
+                    int(d["end_ns"]),
+                    d.get("service") or "",
+                    d.get("attributes") or {},
+                )
+            )
         except (ValueError, KeyError, TypeError):
             continue  # a torn line from a process killed mid-write
     return out
@@ -88,8 +96,16 @@ def _from_jaeger(base: str, trace_id: str | None) -> list[SpanRecord]:
             start = int(s["startTime"]) * 1000
             attrs = {tag["key"]: tag["value"] for tag in s.get("tags", [])}
             svc = procs.get(s.get("processID"), {}).get("serviceName", "")
-            out.append(SpanRecord(s["traceID"].rjust(32, "0"), s["operationName"], start,
-                                  start + int(s["duration"]) * 1000, svc, attrs))
+            out.append(
+                SpanRecord(
+                    s["traceID"].rjust(32, "0"),
+                    s["operationName"],
+                    start,
+                    start + int(s["duration"]) * 1000,
+                    svc,
+                    attrs,
+                )
+            )
     return out
 
 
@@ -115,8 +131,9 @@ def incidents(spans: list[SpanRecord]) -> list[Incident]:
             ps = [s for s in ss if s.name == phase]
             if ps:
                 start, end = min(s.start_ns for s in ps), max(s.end_ns for s in ps)
-                rows.append(PhaseRow(phase, (start - fault) / 1e6, (end - fault) / 1e6,
-                                     (end - start) / 1e6, len(ps)))
+                rows.append(
+                    PhaseRow(phase, (start - fault) / 1e6, (end - fault) / 1e6, (end - start) / 1e6, len(ps))
+                )
         first = [s for s in ss if s.name == "first_step"]
         downtime = (max(s.end_ns for s in first) - fault) / 1e6 if first else None
         out.append(Incident(tid, fault, detect[0].attributes, rows, downtime))

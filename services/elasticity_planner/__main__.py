@@ -1,6 +1,7 @@
 import asyncio
 
-from phalanx.service import run_service
 from phalanx.services.elasticity_planner.service import ElasticityPlanner
+
+from phalanx.service import run_service
 
 asyncio.run(run_service(ElasticityPlanner))

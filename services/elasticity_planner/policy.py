@@ -87,23 +87,32 @@ class ReplaceOrShrink:
     def on_fault(self, state: JobState, fault: Fault) -> Decision:
         plan = state.plan
         if state.phase in (JobPhase.STOPPED, JobPhase.COMPLETED):
-            return Decision(Action.HOLD, f"job is {state.phase.value}: {fault.worker} {fault.cause} needs no plan")
+            return Decision(
+                Action.HOLD, f"job is {state.phase.value}: {fault.worker} {fault.cause} needs no plan"
+            )
         if fault.worker in state.lost:
             return Decision(Action.HOLD, f"{fault.worker} already handled")
         if fault.worker in state.spares:
-            return Decision(Action.HOLD, f"spare {fault.worker} lost ({fault.cause}); dropped from the pool",
-                            removed=[fault.worker])
+            return Decision(
+                Action.HOLD,
+                f"spare {fault.worker} lost ({fault.cause}); dropped from the pool",
+                removed=[fault.worker],
+            )
         if plan is None or plan.rank_of(fault.worker) is None:
             return Decision(Action.HOLD, f"{fault.worker} is not a member of generation {state.generation}")
         if state.spares:
             spare = state.spares[0]
-            members = [Member(rank=m.rank, worker=spare if m.worker == fault.worker else m.worker)
-                       for m in plan.members]
+            members = [
+                Member(rank=m.rank, worker=spare if m.worker == fault.worker else m.worker)
+                for m in plan.members
+            ]
             return Decision(
                 Action.REPLACE,
                 f"{fault.worker} (rank {plan.rank_of(fault.worker)}) {fault.cause}: hot spare {spare} "
                 f"takes its rank",
-                members=members, removed=[fault.worker], spares_used=[spare],
+                members=members,
+                removed=[fault.worker],
+                spares_used=[spare],
             )
         survivors = [m.worker for m in plan.members if m.worker != fault.worker]
         if len(survivors) >= state.spec.min_world_size:
@@ -111,7 +120,8 @@ class ReplaceOrShrink:
             return Decision(
                 Action.SHRINK,
                 f"{fault.worker} {fault.cause}, no spare left: shrink to {len(survivors)} ranks",
-                members=members, removed=[fault.worker],
+                members=members,
+                removed=[fault.worker],
             )
         return Decision(
             Action.STOP,

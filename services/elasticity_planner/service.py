@@ -21,11 +21,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from nats.aio.msg import Msg
 import msgpack
+from nats.aio.msg import Msg
 from nats.js.errors import KeyWrongLastSequenceError, NoKeysError
 from opentelemetry import trace
 from opentelemetry.trace import Span
+from phalanx.services.elasticity_planner.policy import (
+    Decision,
+    Fault,
+    JobPhase,
+    JobState,
+    Policy,
+    ReplaceOrShrink,
+    state_from_dict,
+    state_to_dict,
+)
 
 from phalanx.bus import COMMANDS, EVENTS, JOBS_BUCKET, Bus
 from phalanx.bus.subjects import ACK, DECISION, EXITED, FAILED, HUNG, JOB_SPEC, PLAN, REGISTERED
@@ -45,16 +55,6 @@ from phalanx.schemas import (
     encode,
 )
 from phalanx.service import Service
-from phalanx.services.elasticity_planner.policy import (
-    Decision,
-    Fault,
-    JobPhase,
-    JobState,
-    Policy,
-    ReplaceOrShrink,
-    state_from_dict,
-    state_to_dict,
-)
 
 _tracer = trace.get_tracer("phalanx.planner")
 
@@ -84,9 +84,11 @@ class ElasticityPlanner(Service):
         await self._restore()
         self.bus.consume(COMMANDS, "planner-spec", [JOB_SPEC.wildcard()], self._on_command, (JobSpec,))
         self.bus.consume(
-            EVENTS, "planner-events",
+            EVENTS,
+            "planner-events",
             [REGISTERED.wildcard(), FAILED.wildcard(), HUNG.wildcard(), ACK.wildcard(), EXITED.wildcard()],
-            self._on_event, (Registered, RankFailed, RankHung, PlanAck, RankExited),
+            self._on_event,
+            (Registered, RankFailed, RankHung, PlanAck, RankExited),
             ack_wait_s=10.0,
         )
 
@@ -111,8 +113,13 @@ class ElasticityPlanner(Service):
                 self.log.error("planner_state_unreadable", key=key, error=repr(exc))
                 continue
             self.jobs[state.spec.job] = state
-            self.log.info("planner_state_restored", job=state.spec.job, phase=state.phase.value,
-                          generation=state.generation, spares=state.spares)
+            self.log.info(
+                "planner_state_restored",
+                job=state.spec.job,
+                phase=state.phase.value,
+                generation=state.generation,
+                spares=state.spares,
+            )
 
     def health_details(self) -> dict[str, str | int | float | bool]:
         return {"jobs": len(self.jobs), "decisions": self.decisions}
@@ -157,8 +164,9 @@ class ElasticityPlanner(Service):
         if state.phase is JobPhase.WAITING and len(state.ranks) >= state.spec.world_size:
             order = sorted(state.ranks, key=state.spec.workers.index)[: state.spec.world_size]
             members = [Member(rank=i, worker=w) for i, w in enumerate(order)]
-            await self._apply(state, None, Decision(Action.START, f"{len(members)} ranks registered",
-                                                    members=members))
+            await self._apply(
+                state, None, Decision(Action.START, f"{len(members)} ranks registered", members=members)
+            )
 
     async def _on_fault(self, event: RankFailed | RankHung) -> None:
         state = self.jobs.get(event.job)
@@ -167,9 +175,14 @@ class ElasticityPlanner(Service):
             return
         fault = Fault(event.incident, event.worker, event.cause.value, isinstance(event, RankHung))
         with _tracer.start_as_current_span(
-            "plan", start_time=int(time.time() * 1e9),
-            attributes={"phalanx.job": event.job, "phalanx.incident": event.incident,
-                        "phalanx.worker": event.worker, "phalanx.cause": event.cause.value},
+            "plan",
+            start_time=int(time.time() * 1e9),
+            attributes={
+                "phalanx.job": event.job,
+                "phalanx.incident": event.incident,
+                "phalanx.worker": event.worker,
+                "phalanx.cause": event.cause.value,
+            },
         ) as span:
             decision = self.policy.on_fault(state, fault)
             span.set_attribute("phalanx.action", decision.action.value)
@@ -202,8 +215,13 @@ class ElasticityPlanner(Service):
         generation = None
         if d.members is not None:
             plan = Plan(
-                job=job, generation=state.generation + 1, members=d.members, spares=list(state.spares),
-                removed=d.removed, incident=incident, reason=d.reason,
+                job=job,
+                generation=state.generation + 1,
+                members=d.members,
+                spares=list(state.spares),
+                removed=d.removed,
+                incident=incident,
+                reason=d.reason,
                 store_prefix=f"{job}/gen{state.generation + 1}",
             )
             await self._commit(plan)
@@ -213,18 +231,25 @@ class ElasticityPlanner(Service):
         elif d.action is Action.STOP:
             state.phase = JobPhase.STOPPED
         await self._save(state)
-        self.log.info("decision", job=job, incident=incident, action=d.action.value, reason=d.reason,
-                      generation=generation)
+        self.log.info(
+            "decision",
+            job=job,
+            incident=incident,
+            action=d.action.value,
+            reason=d.reason,
+            generation=generation,
+        )
         await self.bus.publish(
-            DECISION, PlanDecision(job=job, incident=incident, action=d.action, reason=d.reason,
-                                   generation=generation),
-            job=job, msg_id=f"{job}:decision:{incident or 'start'}",
+            DECISION,
+            PlanDecision(job=job, incident=incident, action=d.action, reason=d.reason, generation=generation),
+            job=job,
+            msg_id=f"{job}:decision:{incident or 'start'}",
         )
 
     async def _commit(self, plan: Plan) -> None:
         """Compare-and-set the job's plan in KV, then publish it."""
         key = f"{plan.job}.plan"
-        payload, headers = encode(plan)
+        payload, _ = encode(plan)
         try:
             entry = await self.kv.get(key)
             current = entry.revision
@@ -241,7 +266,8 @@ class ElasticityPlanner(Service):
         if prev is not None:
             prev.notify.set_attribute("phalanx.superseded_by", plan.generation)
             prev.notify.end()
-        notify = _tracer.start_span("notify", attributes={
-            "phalanx.job": plan.job, "phalanx.generation": plan.generation})
+        notify = _tracer.start_span(
+            "notify", attributes={"phalanx.job": plan.job, "phalanx.generation": plan.generation}
+        )
         self._pending[plan.job] = _Pending(plan.generation, notify, {m.worker for m in plan.members})
         await self.bus.publish(PLAN, plan, job=plan.job, msg_id=f"{plan.job}:plan:{plan.generation}")

@@ -14,7 +14,18 @@ import torch
 from phalanx.localstack import JobResult, LocalStack
 
 STEPS = 16
-SMALL_GPT = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "64", "--global-batch", "12", "--micro-batch", "2"]
+SMALL_GPT = [
+    "--n-layer",
+    "2",
+    "--n-embd",
+    "64",
+    "--seq-len",
+    "64",
+    "--global-batch",
+    "12",
+    "--micro-batch",
+    "2",
+]
 
 
 @pytest.fixture(scope="session")
@@ -29,8 +40,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     env = {"PHALANX_STALL_FLOOR_MS": "1500", "PHALANX_STALL_INITIAL_MS": "10000"}
-    with LocalStack(tmp_path_factory.mktemp("stack"), services=("failure-detector", "elasticity-planner"),
-                    env=env) as s:
+    with LocalStack(
+        tmp_path_factory.mktemp("stack"), services=("failure-detector", "elasticity-planner"), env=env
+    ) as s:
         yield s
 
 
@@ -42,14 +54,26 @@ def run_job(stack: LocalStack, corpus: Path, tmp_path_factory: pytest.TempPathFa
     out = tmp_path_factory.mktemp("weights")
     counter = iter(range(1_000_000))
 
-    def run(*, nproc: int = 3, spares: int = 0, faults: str = "", steps: int = STEPS,
-            timeout_s: float = 180.0) -> tuple[JobResult, dict[str, torch.Tensor] | None]:
+    def run(
+        *, nproc: int = 3, spares: int = 0, faults: str = "", steps: int = STEPS, timeout_s: float = 180.0
+    ) -> tuple[JobResult, dict[str, torch.Tensor] | None]:
         job = f"e2e{next(counter)}"
         save = out / f"{job}.pt"
-        cmd = [sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), "--data", str(corpus),
-               "--save", str(save), *SMALL_GPT]
-        result = stack.run_job(job, cmd, nproc=nproc, spares=spares, faults=faults, global_batch=12,
-                               timeout_s=timeout_s)
+        cmd = [
+            sys.executable,
+            "-m",
+            "examples.train_gpt",
+            "--steps",
+            str(steps),
+            "--data",
+            str(corpus),
+            "--save",
+            str(save),
+            *SMALL_GPT,
+        ]
+        result = stack.run_job(
+            job, cmd, nproc=nproc, spares=spares, faults=faults, global_batch=12, timeout_s=timeout_s
+        )
         weights = torch.load(save) if save.exists() else None
         return result, weights
 

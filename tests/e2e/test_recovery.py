@@ -32,7 +32,9 @@ def assert_recovered(result: JobResult, generation: int, nproc: int = 3) -> None
     assert result.returncode == 0, result.decisions
     done = [r for r in result.recoveries if r.generation == generation]
     assert sorted(r.rank for r in done) == list(range(nproc)), result.recoveries
-    assert all({"comm_init", "state_transfer", "data_restore", "first_step"} <= r.phases_ms.keys() for r in done)
+    assert all(
+        {"comm_init", "state_transfer", "data_restore", "first_step"} <= r.phases_ms.keys() for r in done
+    )
 
 
 @pytest.mark.parametrize("nproc", [3, 4])

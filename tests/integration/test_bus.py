@@ -40,13 +40,32 @@ async def wait_for(cond: Callable[[], bool], what: str, timeout: float = WAIT_S)
 
 
 def fault(incident: str, job: str = "j1", worker: str = "w1") -> RankFailed:
-    return RankFailed(job=job, incident=incident, worker=worker, rank=1, generation=1,
-                      cause=FaultCause.PROCESS_EXIT, fault_at=1.0)
+    return RankFailed(
+        job=job,
+        incident=incident,
+        worker=worker,
+        rank=1,
+        generation=1,
+        cause=FaultCause.PROCESS_EXIT,
+        fault_at=1.0,
+    )
 
 
 def heartbeat(seq: int, job: str = "j1") -> Heartbeat:
-    return Heartbeat(job=job, worker="w0", rank=0, generation=1, step=seq, step_ms=1.0,
-                     phase=Phase.COMPUTE, phase_ms=1.0, seq=seq, pid=1, host="h", interval_ms=100.0)
+    return Heartbeat(
+        job=job,
+        worker="w0",
+        rank=0,
+        generation=1,
+        step=seq,
+        step_ms=1.0,
+        phase=Phase.COMPUTE,
+        phase_ms=1.0,
+        seq=seq,
+        pid=1,
+        host="h",
+        interval_ms=100.0,
+    )
 
 
 class Recorder:
@@ -256,15 +275,18 @@ def spans() -> Iterator[InMemorySpanExporter]:
 async def test_trace_context_flows_from_publisher_to_consumer(bus: Bus, spans: InMemorySpanExporter) -> None:
     rec = Recorder()
     bus.consume(EVENTS, "t-trace", [HUNG.wildcard()], rec, (RankHung,))
-    hung = RankHung(job="j1", incident="t1", worker="w3", rank=3, generation=1,
-                    cause=FaultCause.STEP_STALL, fault_at=1.0)
+    hung = RankHung(
+        job="j1", incident="t1", worker="w3", rank=3, generation=1, cause=FaultCause.STEP_STALL, fault_at=1.0
+    )
     tracer = trace.get_tracer("tests")
     with tracer.start_as_current_span("detect") as root:
         await bus.publish(HUNG, hung, job="j1", msg_id="t1")
     root_ctx = root.get_span_context()
     await wait_for(lambda: len(rec.got) == 1, "the traced message")
     assert rec.trace_ids == [root_ctx.trace_id]
-    await wait_for(lambda: any(s.name.startswith("process ") for s in spans.get_finished_spans()), "the consumer span")
+    await wait_for(
+        lambda: any(s.name.startswith("process ") for s in spans.get_finished_spans()), "the consumer span"
+    )
 
     finished = {s.name: s for s in spans.get_finished_spans() if s.context.trace_id == root_ctx.trace_id}
     producer = finished["publish phalanx.evt.{job}.hung"]

@@ -84,8 +84,11 @@ class Events:
         await bus.nc.flush()
 
     def verdicts(self, worker: str | None = None) -> list[RankFailed | RankHung]:
-        return [m for m, _ in self.items if isinstance(m, RankFailed | RankHung)
-                and (worker is None or m.worker == worker)]
+        return [
+            m
+            for m, _ in self.items
+            if isinstance(m, RankFailed | RankHung) and (worker is None or m.worker == worker)
+        ]
 
     def errors(self) -> list[ErrorEvent]:
         return [m for m, _ in self.items if isinstance(m, ErrorEvent)]
@@ -100,8 +103,17 @@ class SimRank:
 
     live: ClassVar[set[SimRank]] = set()
 
-    def __init__(self, bus: Bus, worker: str, *, rank: int = 0, pid: int, job: str = "j1",
-                 phase: Phase = Phase.COLLECTIVE, interval: float = INTERVAL) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        worker: str,
+        *,
+        rank: int = 0,
+        pid: int,
+        job: str = "j1",
+        phase: Phase = Phase.COLLECTIVE,
+        interval: float = INTERVAL,
+    ) -> None:
         self.status = RankStatus(job=job, worker=worker, rank=rank, generation=1, pid=pid, host="sim")
         self.status.enter(phase)
         self.publisher = HeartbeatPublisher(bus, self.status, interval)
@@ -142,9 +154,12 @@ def _silence_sim_ranks() -> Iterator[None]:
         r.silence()
 
 
-def exited(worker: str, pid: int, *, code: int | None = None, sig: int | None = 9, job: str = "j1") -> RankExited:
-    return RankExited(job=job, worker=worker, pid=pid, host="sim", exit_code=code, signal=sig,
-                      exited_at=time.time())
+def exited(
+    worker: str, pid: int, *, code: int | None = None, sig: int | None = 9, job: str = "j1"
+) -> RankExited:
+    return RankExited(
+        job=job, worker=worker, pid=pid, host="sim", exit_code=code, signal=sig, exited_at=time.time()
+    )
 
 
 async def publish_exit(bus: Bus, ev: RankExited, msg_id: str) -> None:
@@ -221,8 +236,11 @@ async def test_silent_rank_is_reported_hung_once_in_a_new_trace(
     assert [v.incident for v in events.verdicts()] == ["j1:w1:1001", "j1:w2:1002"]
     assert tracked(detector) == {"w0"}
 
-    [detect] = [s for s in spans.get_finished_spans()
-                if s.name == "detect" and s.attributes and s.attributes["phalanx.incident"] == hung.incident]
+    [detect] = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == "detect" and s.attributes and s.attributes["phalanx.incident"] == hung.incident
+    ]
     assert detect.parent is None
     assert detect.start_time == int(hung.fault_at * 1e9)
     attrs = dict(detect.attributes or {})
@@ -262,13 +280,18 @@ async def test_exit_reported_once_even_if_published_twice_and_heartbeats_stop(
     await publish_exit(bus, exited("w2", 2002, code=3, sig=None), "exit-d")
     await wait_until(lambda: any(isinstance(v, RankFailed) for v in events.verdicts("w2")))
     assert [(v.worker, v.cause) for v in events.verdicts()] == [
-        ("w0", FaultCause.PROCESS_EXIT), ("w1", FaultCause.HEARTBEAT_LOST), ("w2", FaultCause.PROCESS_EXIT),
+        ("w0", FaultCause.PROCESS_EXIT),
+        ("w1", FaultCause.HEARTBEAT_LOST),
+        ("w2", FaultCause.PROCESS_EXIT),
     ]
     assert [m.incident for m in await stored(bus, "phalanx.evt.j1.failed")] == ["j1:w0:2000", "j1:w2:2002"]  # type: ignore[attr-defined]
     details = detector.health_details()
     assert details["clean_exits"] == 1 and details["repeated_exits"] == 1 and details["tracked_workers"] == 0
-    [detect] = [s for s in spans.get_finished_spans() if s.name == "detect"
-                and (s.attributes or {}).get("phalanx.incident") == "j1:w0:2000"]
+    [detect] = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == "detect" and (s.attributes or {}).get("phalanx.incident") == "j1:w0:2000"
+    ]
     assert detect.parent is None and detect.start_time == int(ev.exited_at * 1e9)
     # linked to the exit report's context (the launcher's trace), but a trace of its own
     assert [link.context.trace_id for link in detect.links] == [launcher_span.get_span_context().trace_id]
@@ -282,8 +305,10 @@ async def test_step_stall_is_reported_and_peers_in_collective_are_not(
     ranks = {w: SimRank(bus, w, rank=i, pid=3000 + i) for i, w in enumerate(["w0", "w1", "w2", "w3"])}
     for r in ranks.values():
         r.train(0.05)
-    await wait_until(lambda: all((s := detector.detector.snapshot("j1", w)) is not None and s["step"] >= 5
-                                 for w in ranks), what="ranks training")
+    await wait_until(
+        lambda: all((s := detector.detector.snapshot("j1", w)) is not None and s["step"] >= 5 for w in ranks),
+        what="ranks training",
+    )
     ranks["w2"].stick(Phase.COMPUTE)  # stalled
     for w in ("w0", "w1", "w3"):
         ranks[w].stick(Phase.COLLECTIVE)  # waiting on w2
@@ -292,8 +317,13 @@ async def test_step_stall_is_reported_and_peers_in_collective_are_not(
     assert hung.evidence["phase"] == "compute" and hung.evidence["bound_ms"] == STALL_FLOOR * 1e3
     assert hung.detected_at - hung.fault_at >= STALL_FLOOR
     # the victims have now waited twice the bound in COLLECTIVE, judged on every tick
-    await wait_until(lambda: all(detector.detector.snapshot("j1", w)["stall_ms"] > 2e3 * STALL_FLOOR  # type: ignore[index]
-                                 for w in ("w0", "w1", "w3")), what="victims waiting")
+    await wait_until(
+        lambda: all(
+            detector.detector.snapshot("j1", w)["stall_ms"] > 2e3 * STALL_FLOOR  # type: ignore[index]
+            for w in ("w0", "w1", "w3")
+        ),
+        what="victims waiting",
+    )
     assert [v.worker for v in events.verdicts()] == ["w2"]
     assert tracked(detector) == {"w0", "w1", "w3"}
     for r in ranks.values():
@@ -301,14 +331,18 @@ async def test_step_stall_is_reported_and_peers_in_collective_are_not(
 
 
 # -- steady state ----------------------------------------------------------------------
-async def test_steady_ranks_and_spares_yield_no_event(detector: FailureDetector, bus: Bus, events: Events) -> None:
+async def test_steady_ranks_and_spares_yield_no_event(
+    detector: FailureDetector, bus: Bus, events: Events
+) -> None:
     ranks = [SimRank(bus, f"w{i}", rank=i, pid=4000 + i) for i in range(4)]
     for r in ranks:
         r.train(0.05)
     spare = SimRank(bus, "w9", rank=-1, pid=4009, phase=Phase.IDLE)
     await wait_until(lambda: len(tracked(detector)) == 5, what="ranks tracked")
     heartbeats = detector.detector.stats.heartbeats
-    await wait_until(lambda: detector.detector.stats.heartbeats >= heartbeats + 5 * 30, what="3 s of heartbeats")
+    await wait_until(
+        lambda: detector.detector.stats.heartbeats >= heartbeats + 5 * 30, what="3 s of heartbeats"
+    )
     assert events.verdicts() == [] and len(tracked(detector)) == 5
     # barrier: the spare goes away; its verdict is the only one
     spare.silence()
@@ -325,8 +359,14 @@ async def test_plan_sets_rank_and_removed_worker_exit_is_expected(
 ) -> None:
     a, b = SimRank(bus, "w0", rank=0, pid=5000), SimRank(bus, "w1", rank=1, pid=5001)
     await wait_until(lambda: tracked(detector) == {"w0", "w1"})
-    plan = Plan(job="j1", generation=2, members=[Member(rank=0, worker="w1")], removed=["w0"],
-                reason="shrink", store_prefix="j1/g2")
+    plan = Plan(
+        job="j1",
+        generation=2,
+        members=[Member(rank=0, worker="w1")],
+        removed=["w0"],
+        reason="shrink",
+        store_prefix="j1/g2",
+    )
     await bus.publish(PLAN, plan, job="j1", msg_id="plan-2")
     await wait_until(lambda: tracked(detector) == {"w1"}, what="w0 forgotten")
     a.silence()
@@ -349,16 +389,29 @@ def _fixed(snapshot: dict[str, Any] | None) -> dict[str, Any]:
 async def test_bad_input_makes_error_events_and_changes_nothing(
     detector: FailureDetector, bus: Bus, events: Events
 ) -> None:
-    good = Heartbeat(job="j1", worker="w0", rank=0, generation=1, step=3, step_ms=10, phase=Phase.COMPUTE,
-                     phase_ms=1, seq=7, pid=6000, host="h", interval_ms=60_000)
+    good = Heartbeat(
+        job="j1",
+        worker="w0",
+        rank=0,
+        generation=1,
+        step=3,
+        step_ms=10,
+        phase=Phase.COMPUTE,
+        phase_ms=1,
+        seq=7,
+        pid=6000,
+        host="h",
+        interval_ms=60_000,
+    )
     await bus.publish(HEARTBEAT, good, traced=False, job="j1", worker="w0")
     await wait_until(lambda: tracked(detector) == {"w0"})
     before = _fixed(detector.detector.snapshot("j1", "w0"))
     stats_before = vars(detector.detector.stats).copy()
     payload, headers = encode(good.model_copy(update={"seq": 8}))
     exit_payload, exit_headers = encode(exited("w0", 6000))
-    plan_payload, plan_headers = encode(Plan(job="j1", generation=1, members=[Member(rank=0, worker="w0")],
-                                             reason="r", store_prefix="p"))
+    plan_payload, plan_headers = encode(
+        Plan(job="j1", generation=1, members=[Member(rank=0, worker="w0")], reason="r", store_prefix="p")
+    )
     bad: list[tuple[str, bytes, dict[str, str]]] = [
         ("phalanx.hb.j1.w0", b"\xc1\xff\x00", headers),  # malformed msgpack
         ("phalanx.hb.j1.w0", payload, {**headers, "Phalanx-Schema": "99"}),  # schema mismatch
@@ -376,7 +429,9 @@ async def test_bad_input_makes_error_events_and_changes_nothing(
     assert all(e.service == "failure-detector" for e in events.errors())
     assert any("malformed msgpack" in r for r in reasons) and any("schema version '99'" in r for r in reasons)
     assert any("expected 'heartbeat', got 'rank_exited'" in r for r in reasons)
-    assert any("on phalanx.hb.j1.w1" in r for r in reasons) and any("does not carry 'plan'" in r for r in reasons)
+    assert any("on phalanx.hb.j1.w1" in r for r in reasons) and any(
+        "does not carry 'plan'" in r for r in reasons
+    )
     assert _fixed(detector.detector.snapshot("j1", "w0")) == before
     assert vars(detector.detector.stats) == stats_before
     assert tracked(detector) == {"w0"} and events.verdicts() == []
@@ -443,9 +498,23 @@ async def test_detector_restart_repeats_no_verdict(nats_url: str, bus: Bus, even
 def _spawn_worker(url: str, worker: str, *extra: str) -> subprocess.Popen[str]:
     env = {**os.environ, "NATS_URL": url, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
-        [sys.executable, str(WORKER), "--job", "j1", "--worker", worker, "--interval-ms", str(INTERVAL * 1e3),
-         "--step-ms", "50", *extra],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            str(WORKER),
+            "--job",
+            "j1",
+            "--worker",
+            worker,
+            "--interval-ms",
+            str(INTERVAL * 1e3),
+            "--step-ms",
+            "50",
+            *extra,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
 
 
@@ -476,8 +545,10 @@ async def test_real_workers_sigstop_is_heartbeat_lost_and_stall_is_step_stall(
         stalled = await events.one("w2")
         assert isinstance(stalled, RankHung) and stalled.cause is FaultCause.STEP_STALL
         assert stalled.incident == f"j1:w2:{pids['w2']}" and stalled.evidence["step"] == 5
-        await wait_until(lambda: detector.detector.snapshot("j1", "w3")["stall_ms"] > 2e3 * STALL_FLOOR,  # type: ignore[index]
-                         what="w3 waiting in COLLECTIVE")
+        await wait_until(
+            lambda: detector.detector.snapshot("j1", "w3")["stall_ms"] > 2e3 * STALL_FLOOR,  # type: ignore[index]
+            what="w3 waiting in COLLECTIVE",
+        )
         assert sorted(v.worker for v in events.verdicts()) == ["w1", "w2"]
         assert tracked(detector) == {"w0", "w3"}
     finally:
@@ -494,8 +565,14 @@ async def test_detector_process_answers_ping_reports_in_a_trace_and_stops_on_sig
 ) -> None:
     env = {**os.environ, "NATS_URL": nats_url, "PHALANX_HEARTBEAT_MS": "100", "PHALANX_LOG_LEVEL": "INFO"}
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx.services.failure_detector"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx.services.failure_detector"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         reply = None
         deadline = time.monotonic() + WAIT
@@ -523,9 +600,16 @@ async def test_detector_process_answers_ping_reports_in_a_trace_and_stops_on_sig
             proc.kill()
             proc.wait()
     spans: list[dict[str, Any]] = [json.loads(line) for line in _span_file.read_text().splitlines()]
-    [detect] = [s for s in spans if s["name"] == "detect" and s["attributes"].get("phalanx.incident") == "j1:w5:8005"]
+    [detect] = [
+        s for s in spans if s["name"] == "detect" and s["attributes"].get("phalanx.incident") == "j1:w5:8005"
+    ]
     assert detect["parent_id"] is None and detect["service"] == "failure-detector"
-    assert detect["start_ns"] == int(ev.exited_at * 1e9) and detect["attributes"]["phalanx.cause"] == "process_exit"
+    assert (
+        detect["start_ns"] == int(ev.exited_at * 1e9)
+        and detect["attributes"]["phalanx.cause"] == "process_exit"
+    )
     assert detect["attributes"]["phalanx.evidence.exit_code"] == 2
-    children = [s for s in spans if s["trace_id"] == detect["trace_id"] and s["parent_id"] == detect["span_id"]]
+    children = [
+        s for s in spans if s["trace_id"] == detect["trace_id"] and s["parent_id"] == detect["span_id"]
+    ]
     assert [s["name"] for s in children] == ["publish phalanx.evt.{job}.failed"]

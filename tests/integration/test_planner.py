@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.msg import Msg
+from phalanx.services.elasticity_planner.service import ElasticityPlanner
 
 from phalanx.bus import JOBS_BUCKET, Bus
 from phalanx.bus.subjects import DECISION, FAILED, HUNG, JOB_SPEC, PLAN, REGISTERED
@@ -27,7 +28,6 @@ from phalanx.schemas import (
     headers_for,
 )
 from phalanx.service import run_service
-from phalanx.services.elasticity_planner.service import ElasticityPlanner
 
 JOB = "pj"
 
@@ -67,17 +67,32 @@ async def planner(url: str) -> AsyncIterator[None]:
 
 async def start_job(bus: Bus, ranks: int = 3, spares: int = 1) -> None:
     workers = [f"w{i}" for i in range(ranks + spares)]
-    spec = JobSpec(job=JOB, world_size=ranks, min_world_size=ranks, max_world_size=ranks, global_batch=12,
-                   workers=workers)
+    spec = JobSpec(
+        job=JOB,
+        world_size=ranks,
+        min_world_size=ranks,
+        max_world_size=ranks,
+        global_batch=12,
+        workers=workers,
+    )
     await bus.publish(JOB_SPEC, spec, job=JOB, msg_id="spec-1")
     for i, w in enumerate(workers):
-        reg = Registered(job=JOB, worker=w, role=Role.RANK if i < ranks else Role.SPARE, host="h", pid=100 + i)
+        reg = Registered(
+            job=JOB, worker=w, role=Role.RANK if i < ranks else Role.SPARE, host="h", pid=100 + i
+        )
         await bus.publish(REGISTERED, reg, job=JOB, msg_id=f"reg-{w}")
 
 
 def failed(worker: str, rank: int, generation: int = 1, pid: int = 101) -> RankFailed:
-    return RankFailed(job=JOB, incident=f"{JOB}:{worker}:{pid}", worker=worker, rank=rank, generation=generation,
-                      cause=FaultCause.PROCESS_EXIT, fault_at=1.0)
+    return RankFailed(
+        job=JOB,
+        incident=f"{JOB}:{worker}:{pid}",
+        worker=worker,
+        rank=rank,
+        generation=generation,
+        cause=FaultCause.PROCESS_EXIT,
+        fault_at=1.0,
+    )
 
 
 @pytest.fixture
@@ -107,8 +122,15 @@ async def test_replace_survives_a_planner_restart(nats_url: str, bus: Bus, watch
         # The same fault again (a redelivery with a new message id): no new generation.
         await bus.publish(FAILED, event, job=JOB, msg_id=event.incident + "-again")
         # A hang of a worker that is no member any more: a HOLD decision, no plan.
-        stale = RankHung(job=JOB, incident=f"{JOB}:w1:999", worker="w1", rank=1, generation=1,
-                         cause=FaultCause.HEARTBEAT_LOST, fault_at=1.0)
+        stale = RankHung(
+            job=JOB,
+            incident=f"{JOB}:w1:999",
+            worker="w1",
+            rank=1,
+            generation=1,
+            cause=FaultCause.HEARTBEAT_LOST,
+            fault_at=1.0,
+        )
         await bus.publish(HUNG, stale, job=JOB, msg_id=stale.incident)
         await watcher.wait_for(lambda: any(d.incident == stale.incident for d in watcher.decisions))
     assert len(watcher.plans) == 2
@@ -137,8 +159,15 @@ async def test_fault_of_an_unknown_job_changes_nothing(nats_url: str, bus: Bus, 
     async with planner(nats_url):
         await start_job(bus)
         await watcher.wait_for(lambda: len(watcher.plans) == 1)
-        other = RankFailed(job="nojob", incident="nojob:w1:1", worker="w1", rank=1, generation=7,
-                           cause=FaultCause.PROCESS_EXIT, fault_at=1.0)
+        other = RankFailed(
+            job="nojob",
+            incident="nojob:w1:1",
+            worker="w1",
+            rank=1,
+            generation=7,
+            cause=FaultCause.PROCESS_EXIT,
+            fault_at=1.0,
+        )
         await bus.publish(FAILED, other, job="nojob", msg_id=other.incident)
         # A later fault of the real job is planned as usual: the unknown one did no harm.
         event = failed("w2", 2, pid=102)

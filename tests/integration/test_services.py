@@ -65,7 +65,9 @@ class ServiceProcess:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             if self.proc.poll() is not None:
-                pytest.fail(f"{self.module} exited with {self.proc.returncode} before answering:\n{self.tail()}")
+                pytest.fail(
+                    f"{self.module} exited with {self.proc.returncode} before answering:\n{self.tail()}"
+                )
             try:
                 return await ping(bus, self.name, timeout=1.0)
             except Exception as exc:
@@ -128,8 +130,12 @@ async def test_service_answers_health_and_exits_cleanly_on_sigterm(
 
 
 # -- scheduler-signal ------------------------------------------------------------------------
-def write_cluster(path: Path, nodes: dict[str, int], preemptions: list[dict[str, Any]] | None = None,
-                  not_ready: tuple[str, ...] = ()) -> None:
+def write_cluster(
+    path: Path,
+    nodes: dict[str, int],
+    preemptions: list[dict[str, Any]] | None = None,
+    not_ready: tuple[str, ...] = (),
+) -> None:
     doc = {
         "cluster": "sim",
         "nodes": [{"name": n, "slots": s, "ready": n not in not_ready} for n, s in nodes.items()],
@@ -153,7 +159,9 @@ class Signals:
 
     def summary(self) -> list[tuple[str, Any]]:
         return [
-            ("capacity", m.available_slots) if isinstance(m, CapacityChanged) else ("preempt", tuple(m.workers))
+            ("capacity", m.available_slots)
+            if isinstance(m, CapacityChanged)
+            else ("preempt", tuple(m.workers))
             for m in self.got
         ]
 
@@ -165,8 +173,13 @@ async def test_scheduler_signal_publishes_each_cluster_change_exactly_once(
     write_cluster(path, {"a": 4, "b": 4})
     env = {"PHALANX_CLUSTER_FILE": str(path), "PHALANX_CLUSTER_POLL_S": "0.1"}
     signals = Signals()
-    bus.consume(SCHED, "t-signals", [CAPACITY.wildcard(cluster="sim"), PREEMPT.wildcard(cluster="sim")],
-                signals, (CapacityChanged, PreemptionNotice))
+    bus.consume(
+        SCHED,
+        "t-signals",
+        [CAPACITY.wildcard(cluster="sim"), PREEMPT.wildcard(cluster="sim")],
+        signals,
+        (CapacityChanged, PreemptionNotice),
+    )
 
     svc = services("scheduler_signal", **env)
     await svc.healthy(bus)
@@ -193,8 +206,13 @@ async def test_scheduler_signal_publishes_each_cluster_change_exactly_once(
     assert (details["published.capacity_changed"], details["published.preemption_notice"]) == (0, 0)
     write_cluster(path, {"a": 4, "b": 4, "c": 2, "d": 2}, [preemption])
     await wait_for(lambda: (12, 2) in signals.capacities(), "the change after the restart")
-    assert signals.summary() == [("capacity", 8), ("capacity", 4), ("preempt", ("w3",)), ("capacity", 10),
-                                 ("capacity", 12)]
+    assert signals.summary() == [
+        ("capacity", 8),
+        ("capacity", 4),
+        ("preempt", ("w3",)),
+        ("capacity", 10),
+        ("capacity", 12),
+    ]
     info = await bus.js.stream_info(SCHED.name)
     assert info.state.messages == 5
     assert await again.terminate() == 0
@@ -229,8 +247,13 @@ async def test_scheduler_signal_reports_a_bad_cluster_file_and_keeps_going(
 
 # -- state-replication --------------------------------------------------------------------------
 def plan(generation: int) -> Plan:
-    return Plan(job="j1", generation=generation, members=[Member(rank=0, worker="w0"), Member(rank=1, worker="w1")],
-                reason="test", store_prefix=f"phalanx/j1/g{generation}")
+    return Plan(
+        job="j1",
+        generation=generation,
+        members=[Member(rank=0, worker="w0"), Member(rank=1, worker="w1")],
+        reason="test",
+        store_prefix=f"phalanx/j1/g{generation}",
+    )
 
 
 async def test_state_replication_follows_plans_and_recoveries(
@@ -239,12 +262,17 @@ async def test_state_replication_follows_plans_and_recoveries(
     svc = services("state_replication", PHALANX_NODE="node-1")
     reply = await svc.healthy(bus)
     assert reply.details["node"] == "node-1"
-    for stream, durable in ((COMMANDS.name, "state-repl-node-1-plan"), (EVENTS.name, "state-repl-node-1-recovered")):
+    for stream, durable in (
+        (COMMANDS.name, "state-repl-node-1-plan"),
+        (EVENTS.name, "state-repl-node-1-recovered"),
+    ):
         await wait_consumer(bus, stream, durable)
 
     await bus.publish(PLAN, plan(2), job="j1", msg_id="j1:plan:2")
     await bus.publish(PLAN, plan(1), job="j1", msg_id="j1:plan:1")  # late: older generation
-    done = RecoveryDone(job="j1", generation=2, worker="w1", rank=1, step=10, incident=None, phases_ms={"first_step": 5.0})
+    done = RecoveryDone(
+        job="j1", generation=2, worker="w1", rank=1, step=10, incident=None, phases_ms={"first_step": 5.0}
+    )
     await bus.publish(RECOVERED, done, job="j1", msg_id="j1:2:w1")
 
     deadline = asyncio.get_running_loop().time() + WAIT_S

@@ -41,8 +41,15 @@ async def test_publish_and_durable_consume_through_testcontainers(container_url:
 
     bus.consume(EVENTS, "tc-consumer", [FAILED.wildcard()], handler, (RankFailed,))
     for i in range(3):
-        event = RankFailed(job="j1", incident=f"tc{i}", worker="w1", rank=1, generation=1,
-                           cause=FaultCause.PROCESS_EXIT, fault_at=1.0)
+        event = RankFailed(
+            job="j1",
+            incident=f"tc{i}",
+            worker="w1",
+            rank=1,
+            generation=1,
+            cause=FaultCause.PROCESS_EXIT,
+            fault_at=1.0,
+        )
         await bus.publish(FAILED, event, job="j1", msg_id=f"tc{i}")
     await bus.publish(FAILED, event, job="j1", msg_id="tc2")  # a duplicate
     deadline = asyncio.get_running_loop().time() + 30

@@ -60,7 +60,11 @@ def test_health_probes_ask_the_right_service() -> None:
 def test_image_installs_the_torch_the_project_pins() -> None:
     dockerfile = _text(DEPLOY / "Dockerfile")
     assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.M)
-    pinned = [d for d in tomllib.loads(_text(ROOT / "pyproject.toml"))["project"]["dependencies"] if d.startswith("torch")]
+    pinned = [
+        d
+        for d in tomllib.loads(_text(ROOT / "pyproject.toml"))["project"]["dependencies"]
+        if d.startswith("torch")
+    ]
     assert pinned == ["torch==2.13.0"]
     assert "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in dockerfile
     assert "pip install ." in dockerfile
@@ -78,7 +82,10 @@ def test_the_compose_cluster_file_is_valid() -> None:
 
 def test_the_sample_job_is_the_documented_one() -> None:
     for path in (DEPLOY / "docker-compose.yml", K8S / "training-job.yaml"):
-        assert '"phalanx", "run", "--nproc", "4", "--spares", "1", "--", "python", "examples/train_gpt.py"' in _text(path)
+        assert (
+            '"phalanx", "run", "--nproc", "4", "--spares", "1", "--", "python", "examples/train_gpt.py"'
+            in _text(path)
+        )
     assert (ROOT / "examples" / "train_gpt.py").exists()
 
 
@@ -139,7 +146,9 @@ def test_scheduler_signal_may_watch_nodes_and_pods() -> None:
     granted = {(res, verb) for rule in role["rules"] for res in rule["resources"] for verb in rule["verbs"]}
     assert {(r, v) for r in ("nodes", "pods") for v in ("list", "watch")} <= granted
     binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "scheduler-signal", "namespace": "phalanx"}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "scheduler-signal", "namespace": "phalanx"}
+    ]
     services = list(yaml.safe_load_all(_text(K8S / "services.yaml")))
     deploy = next(d for d in services if d["metadata"]["name"] == "scheduler-signal")
     assert deploy["spec"]["template"]["spec"]["serviceAccountName"] == "scheduler-signal"

@@ -40,9 +40,19 @@ I = 0.1  # heartbeat interval of the simulated workers (s)  # noqa: E741
 class Rank:
     """A simulated worker that heartbeats into a detector on a fake clock."""
 
-    def __init__(self, det: Detector, clock: FakeClock, worker: str = "w0", *, rank: int = 0,
-                 pid: int = 100, job: str = "j1", interval: float = I, phase: Phase = Phase.COMPUTE,
-                 generation: int = 1) -> None:
+    def __init__(
+        self,
+        det: Detector,
+        clock: FakeClock,
+        worker: str = "w0",
+        *,
+        rank: int = 0,
+        pid: int = 100,
+        job: str = "j1",
+        interval: float = I,
+        phase: Phase = Phase.COMPUTE,
+        generation: int = 1,
+    ) -> None:
         self.det, self.clock = det, clock
         self.job, self.worker, self.rank, self.pid, self.generation = job, worker, rank, pid, generation
         self.interval = interval
@@ -61,10 +71,19 @@ class Rank:
 
     def beat(self) -> bool:
         hb = Heartbeat(
-            job=self.job, worker=self.worker, rank=self.rank, generation=self.generation,
-            step=self.step, step_ms=self.step_ms, phase=self.phase,
-            phase_ms=(self.clock.monotonic() - self.phase_since) * 1e3, seq=self.seq, pid=self.pid,
-            host="h1", interval_ms=self.interval * 1e3, ts=self.clock.wall(),
+            job=self.job,
+            worker=self.worker,
+            rank=self.rank,
+            generation=self.generation,
+            step=self.step,
+            step_ms=self.step_ms,
+            phase=self.phase,
+            phase_ms=(self.clock.monotonic() - self.phase_since) * 1e3,
+            seq=self.seq,
+            pid=self.pid,
+            host="h1",
+            interval_ms=self.interval * 1e3,
+            ts=self.clock.wall(),
         )
         self.seq += 1
         return self.det.observe(hb)
@@ -90,8 +109,13 @@ def run(clock: FakeClock, det: Detector, ranks: list[Rank], seconds: float, dt: 
     return out
 
 
-def exit_msg(worker: str = "w0", pid: int = 100, code: int | None = 1, sig: int | None = None,
-             at: float = 1_700_000_000.0) -> RankExited:
+def exit_msg(
+    worker: str = "w0",
+    pid: int = 100,
+    code: int | None = 1,
+    sig: int | None = None,
+    at: float = 1_700_000_000.0,
+) -> RankExited:
     return RankExited(job="j1", worker=worker, pid=pid, host="h1", exit_code=code, signal=sig, exited_at=at)
 
 
@@ -378,8 +402,15 @@ def test_lost_spare_is_reported_with_rank_minus_one() -> None:
 
 
 def _plan(gen: int, members: list[str], removed: tuple[str, ...] = (), spares: tuple[str, ...] = ()) -> Plan:
-    return Plan(job="j1", generation=gen, members=[Member(rank=i, worker=w) for i, w in enumerate(members)],
-                removed=list(removed), spares=list(spares), reason="test", store_prefix=f"g{gen}")
+    return Plan(
+        job="j1",
+        generation=gen,
+        members=[Member(rank=i, worker=w) for i, w in enumerate(members)],
+        removed=list(removed),
+        spares=list(spares),
+        reason="test",
+        store_prefix=f"g{gen}",
+    )
 
 
 def test_plans_give_rank_and_generation_and_removed_workers_are_forgotten() -> None:
@@ -421,8 +452,14 @@ def test_docstring_examples() -> None:
 
 
 def test_service_config_from_env() -> None:
-    c = ServiceConfig.from_env({"PHALANX_HEARTBEAT_MS": "500", "PHALANX_STALL_FLOOR_MS": "1500",
-                                "PHALANX_DETECTOR_PHI": "10", "PHALANX_DETECTOR_JOB": "j1"})
+    c = ServiceConfig.from_env(
+        {
+            "PHALANX_HEARTBEAT_MS": "500",
+            "PHALANX_STALL_FLOOR_MS": "1500",
+            "PHALANX_DETECTOR_PHI": "10",
+            "PHALANX_DETECTOR_JOB": "j1",
+        }
+    )
     assert (c.heartbeat_s, c.tick_s, c.max_lag_s, c.job) == (0.5, 0.05, 0.25, "j1")
     assert c.detector.stall_floor_s == 1.5 and c.detector.phi_threshold == 10.0
     with pytest.raises(ValueError, match="PHALANX_HEARTBEAT_MS"):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from examples.gpt import GPT, GPTConfig
 
 SMALL = GPTConfig(seq_len=32, n_layer=2, n_head=2, n_embd=32)

@@ -39,7 +39,9 @@ _TYPES: dict[str, Any] = {
 }
 
 
-def validate(schema: dict[str, Any], value: Any, root: dict[str, Any] | None = None, path: str = "$") -> list[str]:
+def validate(
+    schema: dict[str, Any], value: Any, root: dict[str, Any] | None = None, path: str = "$"
+) -> list[str]:
     """Errors of ``value`` against ``schema`` (empty when it is valid)."""
     root = root if root is not None else schema
     errors: list[str] = []
@@ -91,16 +93,22 @@ def validate(schema: dict[str, Any], value: Any, root: dict[str, Any] | None = N
         elif key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
             if _TYPES["number"](value):
                 ok = {
-                    "minimum": value >= arg, "maximum": value <= arg,
-                    "exclusiveMinimum": value > arg, "exclusiveMaximum": value < arg,
+                    "minimum": value >= arg,
+                    "maximum": value <= arg,
+                    "exclusiveMinimum": value > arg,
+                    "exclusiveMaximum": value < arg,
                 }[key]
                 if not ok:
                     errors.append(f"{path}: {value!r} violates {key} {arg}")
         elif key in ("minLength", "maxLength"):
-            if isinstance(value, str) and not (len(value) >= arg if key == "minLength" else len(value) <= arg):
+            if isinstance(value, str) and not (
+                len(value) >= arg if key == "minLength" else len(value) <= arg
+            ):
                 errors.append(f"{path}: length of {value!r} violates {key} {arg}")
         elif key in ("minItems", "maxItems"):
-            if isinstance(value, list) and not (len(value) >= arg if key == "minItems" else len(value) <= arg):
+            if isinstance(value, list) and not (
+                len(value) >= arg if key == "minItems" else len(value) <= arg
+            ):
                 errors.append(f"{path}: {len(value)} items violate {key} {arg}")
         elif key == "pattern":
             if isinstance(value, str) and not re.search(arg, value):
@@ -291,5 +299,12 @@ def test_asyncapi_says_who_sends_and_receives_scheduler_signals() -> None:
 
 def test_readme_explains_the_headers() -> None:
     text = (ROOT / "README.md").read_text()
-    for word in ("Phalanx-Kind", "Phalanx-Schema", "Phalanx-Encoding", "Nats-Msg-Id", "traceparent", "generation"):
+    for word in (
+        "Phalanx-Kind",
+        "Phalanx-Schema",
+        "Phalanx-Encoding",
+        "Nats-Msg-Id",
+        "traceparent",
+        "generation",
+    ):
         assert word in text

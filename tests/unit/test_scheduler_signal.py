@@ -95,7 +95,13 @@ def test_unknown_or_failed_watch_events_are_errors() -> None:
 
 
 def test_node_not_ready_or_unschedulable_offers_nothing() -> None:
-    node = {"spec": {}, "status": {"allocatable": {"nvidia.com/gpu": "8"}, "conditions": [{"type": "Ready", "status": "True"}]}}
+    node = {
+        "spec": {},
+        "status": {
+            "allocatable": {"nvidia.com/gpu": "8"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
     assert node_slots(node, "nvidia.com/gpu") == 8
     assert node_slots({**node, "spec": {"unschedulable": True}}, "nvidia.com/gpu") == 0
     unknown = {**node, "status": {**node["status"], "conditions": [{"type": "Ready", "status": "Unknown"}]}}
@@ -126,7 +132,12 @@ def test_pod_watch_events_map_to_preemptions() -> None:
 
 
 def test_pod_of_several_workers_lists_them_from_its_annotation() -> None:
-    meta = {"name": "p-7", "uid": "u7", "deletionTimestamp": "2026-01-01T00:00:00Z", "labels": {"phalanx.io/job": "j2"}}
+    meta = {
+        "name": "p-7",
+        "uid": "u7",
+        "deletionTimestamp": "2026-01-01T00:00:00Z",
+        "labels": {"phalanx.io/job": "j2"},
+    }
     pod = {"metadata": meta, "spec": {}, "status": {"phase": "Pending"}}
     p = pod_preemption(pod)
     assert p is not None and p.workers == [] and p.job == "j2" and p.deadline_s == 30.0
@@ -162,7 +173,10 @@ async def test_ledger_publishes_capacity_only_when_it_changes() -> None:
     ledger = Ledger(NothingPublished(), "file")
     first = await ledger.capacity("c", 8, "r1")
     assert first is not None and first.msg_id == "c:capacity:r1"
-    assert isinstance(first.message, CapacityChanged) and (first.message.available_slots, first.message.delta) == (8, 8)
+    assert isinstance(first.message, CapacityChanged) and (
+        first.message.available_slots,
+        first.message.delta,
+    ) == (8, 8)
     # not yet acknowledged by the bus: the same change is proposed again
     again = await ledger.capacity("c", 8, "r1")
     assert again is not None and again.msg_id == first.msg_id
@@ -196,8 +210,14 @@ async def test_file_source_emits_each_change_once(tmp_path: Path) -> None:
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10_000_000))
     assert await src.poll(emit) is False  # touched, same content
-    _write(path, {"cluster": "sim", "nodes": [nodes[0], {**nodes[1], "ready": False}],
-                  "preemptions": [{"id": "p1", "job": "j1", "workers": ["w3"], "deadline_s": 20}]})
+    _write(
+        path,
+        {
+            "cluster": "sim",
+            "nodes": [nodes[0], {**nodes[1], "ready": False}],
+            "preemptions": [{"id": "p1", "job": "j1", "workers": ["w3"], "deadline_s": 20}],
+        },
+    )
     assert await src.poll(emit) is True
     _write(path, "{not json")
     assert await src.poll(emit) is False
@@ -205,14 +225,24 @@ async def test_file_source_emits_each_change_once(tmp_path: Path) -> None:
     _write(path, {"cluster": "sim", "nodes": [{"name": "a", "slots": 4}, {"name": "a", "slots": 1}]})
     assert await src.poll(emit) is False
     assert "appear twice" in src.last_error
-    _write(path, {"cluster": "sim", "nodes": nodes,
-                  "preemptions": [{"id": "p1", "job": "j1", "workers": ["w3"], "deadline_s": 20}]})
+    _write(
+        path,
+        {
+            "cluster": "sim",
+            "nodes": nodes,
+            "preemptions": [{"id": "p1", "job": "j1", "workers": ["w3"], "deadline_s": 20}],
+        },
+    )
     assert await src.poll(emit) is True
     assert src.last_error == ""
 
     kinds = [(type(s.message).__name__, s.msg_id.split(":")[1]) for s in out]
-    assert kinds == [("CapacityChanged", "capacity"), ("CapacityChanged", "capacity"),
-                     ("PreemptionNotice", "preempt"), ("CapacityChanged", "capacity")]
+    assert kinds == [
+        ("CapacityChanged", "capacity"),
+        ("CapacityChanged", "capacity"),
+        ("PreemptionNotice", "preempt"),
+        ("CapacityChanged", "capacity"),
+    ]
     caps = [s.message for s in out if isinstance(s.message, CapacityChanged)]
     assert [(c.available_slots, c.delta) for c in caps] == [(8, 8), (4, -4), (8, 4)]
     notice = out[2].message
@@ -237,7 +267,9 @@ async def test_file_source_retries_a_revision_the_bus_did_not_take(tmp_path: Pat
     with pytest.raises(ConnectionError):
         await src.poll(refuse)
     assert await src.poll(emit) is True
-    assert len(out) == 1 and isinstance(out[0].message, CapacityChanged) and out[0].message.available_slots == 2
+    assert (
+        len(out) == 1 and isinstance(out[0].message, CapacityChanged) and out[0].message.available_slots == 2
+    )
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -253,8 +285,17 @@ def test_kube_config_from_env(tmp_path: Path) -> None:
     (sa / "token").write_text("tok\n")
     (sa / "namespace").write_text("phalanx\n")
     cfg = KubeConfig.from_env(
-        {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "6443", "PHALANX_CLUSTER_NAME": "prod"},
+        {
+            "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+            "KUBERNETES_SERVICE_PORT": "6443",
+            "PHALANX_CLUSTER_NAME": "prod",
+        },
         sa_dir=sa,
     )
     assert cfg is not None
-    assert (cfg.api, cfg.namespace, cfg.cluster, cfg.token_file) == ("https://10.0.0.1:6443", "phalanx", "prod", sa / "token")
+    assert (cfg.api, cfg.namespace, cfg.cluster, cfg.token_file) == (
+        "https://10.0.0.1:6443",
+        "phalanx",
+        "prod",
+        sa / "token",
+    )

@@ -72,7 +72,9 @@ def test_defaults_are_filled_on_decode() -> None:
 
 
 # -- refusals -------------------------------------------------------------------------
-def _refused(data: bytes, headers: dict[str, str] | None, expected: type[Message] | None = None) -> DecodeError:
+def _refused(
+    data: bytes, headers: dict[str, str] | None, expected: type[Message] | None = None
+) -> DecodeError:
     with pytest.raises(DecodeError) as info:
         if expected is None:
             decode(data, headers)
@@ -178,8 +180,13 @@ def test_decode_error_is_a_value_error() -> None:
 
 # -- models ----------------------------------------------------------------------------
 def _plan(members: list[tuple[int, str]]) -> Plan:
-    return Plan(job="j1", generation=2, members=[Member(rank=r, worker=w) for r, w in members],
-                reason="test", store_prefix="phalanx/j1/g2")
+    return Plan(
+        job="j1",
+        generation=2,
+        members=[Member(rank=r, worker=w) for r, w in members],
+        reason="test",
+        store_prefix="phalanx/j1/g2",
+    )
 
 
 def test_plan_accepts_dense_ranks_in_any_order() -> None:
@@ -220,8 +227,14 @@ def test_plan_validators_run_on_decode() -> None:
 def test_job_spec_validators(sizes: tuple[int, int, int], workers: int, message: str) -> None:
     world, lo, hi = sizes
     with pytest.raises(ValidationError, match=message):
-        JobSpec(job="j1", world_size=world, min_world_size=lo, max_world_size=hi, global_batch=8,
-                workers=[f"w{i}" for i in range(workers)])
+        JobSpec(
+            job="j1",
+            world_size=world,
+            min_world_size=lo,
+            max_world_size=hi,
+            global_batch=8,
+            workers=[f"w{i}" for i in range(workers)],
+        )
 
 
 def test_messages_are_frozen() -> None:

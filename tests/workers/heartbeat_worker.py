@@ -80,8 +80,9 @@ def train(status: RankStatus, args: argparse.Namespace, stop: threading.Event) -
 async def main() -> None:
     args = parse()
     bus = await Bus.connect(args.url, name=f"worker-{args.job}-{args.worker}", ensure=False)
-    status = RankStatus(job=args.job, worker=args.worker, rank=args.rank,
-                        generation=0 if args.idle else args.generation)
+    status = RankStatus(
+        job=args.job, worker=args.worker, rank=args.rank, generation=0 if args.idle else args.generation
+    )
     interval = args.interval_ms / 1e3 if args.interval_ms else None
     hb = HeartbeatPublisher(bus, status, interval)
     stop = threading.Event()

@@ -15,6 +15,18 @@ from phalanx.bus.topology import (
 )
 
 __all__ = [
-    "Bus", "CATALOGUE", "COMMANDS", "DUPLICATE_WINDOW_S", "ERRORS", "EVENTS", "JOBS_BUCKET",
-    "SCHED", "STREAMS", "StreamSpec", "Subject", "Transport", "ensure_topology", "nats_url",
+    "CATALOGUE",
+    "COMMANDS",
+    "DUPLICATE_WINDOW_S",
+    "ERRORS",
+    "EVENTS",
+    "JOBS_BUCKET",
+    "SCHED",
+    "STREAMS",
+    "Bus",
+    "StreamSpec",
+    "Subject",
+    "Transport",
+    "ensure_topology",
+    "nats_url",
 ]

@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
-import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -46,6 +47,39 @@ def nats_url() -> str:
     return os.environ.get("NATS_URL") or os.environ.get("PHALANX_NATS_URL") or "nats://127.0.0.1:4222"
 
 
+# NATS server authorization (roles and permissions: phalanx.natsauth).
+ENV_NATS_USER = "PHALANX_NATS_USER"
+ENV_NATS_PASSWORD = "PHALANX_NATS_PASSWORD"
+# nats.py hands error_cb the server's -ERR text lower-cased, subject included.
+_PERMISSION_VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"')
+
+
+class PermissionDenied(RuntimeError):
+    """The NATS server refused this client's credentials, or a publish it made."""
+
+
+def inbox_prefix(user: str) -> str:
+    """Where a user's replies arrive: the only inbox its permissions let it read."""
+    return f"_INBOX.{user}"
+
+
+def nats_auth_options(url: str) -> dict[str, Any]:
+    """Client options for an authorizing server: none when no credentials are given.
+
+    ``PHALANX_NATS_USER`` / ``PHALANX_NATS_PASSWORD`` win over a
+    ``nats://user:pass@host:port`` URL (which works too, but URLs end up in logs).
+    """
+    user = os.environ.get(ENV_NATS_USER)
+    opts: dict[str, Any] = {}
+    if user:
+        opts.update(user=user, password=os.environ.get(ENV_NATS_PASSWORD, ""))
+    else:
+        user = urlsplit(url.split(",")[0].strip()).username
+    if user:
+        opts["inbox_prefix"] = inbox_prefix(user)
+    return opts
+
+
 class Bus:
     def __init__(self, nc: Client, name: str) -> None:
         self.nc = nc
@@ -56,6 +90,7 @@ class Bus:
         self._closing = False
         self.reconnects = 0
         self.decode_errors = 0
+        self.denied: dict[str, float] = {}  # subject (lower-cased) -> loop time the server last refused it
 
     # -- connection ---------------------------------------------------------
     @classmethod
@@ -67,12 +102,43 @@ class Bus:
         reconnect_wait_s: float = 0.25,
         ensure: bool = True,
     ) -> Bus:
-        """Connect (retrying forever on reconnect) and create the topology if asked."""
+        """Connect (retrying forever on reconnect) and create the topology if asked.
+
+        With ``PHALANX_NATS_USER`` / ``PHALANX_NATS_PASSWORD`` set it logs in as that
+        user (:func:`nats_auth_options`); credentials the server refuses raise
+        :class:`PermissionDenied` at once, and a publish or subscription it refuses
+        later is logged as ``permission_denied`` with its subject.
+        """
         holder: dict[str, Bus] = {}
 
+        url = url or nats_url()
+        auth = nats_auth_options(url)
+        user = auth.get("user") or urlsplit(url.split(",")[0].strip()).username
+
         async def on_error(exc: Exception) -> None:
-            if "bus" in holder:
-                holder["bus"].log.warning("nats_error", error=repr(exc))
+            text = str(exc).lower()
+            if "authorization violation" in text and "bus" not in holder:
+                # Wrong or unknown credentials: retrying forever would only hide it.
+                raise PermissionDenied(
+                    f"nats: authorization violation: {url.split('@')[-1]} refused user {user!r}"
+                )
+            if "bus" not in holder:
+                return
+            bus = holder["bus"]
+            refused = _PERMISSION_VIOLATION.search(text)
+            if refused:
+                bus.denied[refused.group(2)] = asyncio.get_running_loop().time()
+                bus.log.error(
+                    "permission_denied",
+                    operation=refused.group(1),
+                    subject=refused.group(2),
+                    user=user,
+                    error=str(exc),
+                )
+            elif "authorization violation" in text:
+                bus.log.error("nats_auth_failed", user=user, error=str(exc))
+            else:
+                bus.log.warning("nats_error", error=repr(exc))
 
         async def on_disconnect() -> None:
             if "bus" in holder:
@@ -83,18 +149,26 @@ class Bus:
                 holder["bus"].reconnects += 1
                 holder["bus"].log.info("nats_reconnected", url=str(holder["bus"].nc.connected_url))
 
-        nc = await nats.connect(
-            url or nats_url(),
-            name=name,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=reconnect_wait_s,
-            ping_interval=5,
-            max_outstanding_pings=3,
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
-            connect_timeout=2,
-        )
+        nc = Client()
+        try:
+            await nc.connect(
+                url,
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=reconnect_wait_s,  # type: ignore[arg-type]  # seconds, float is fine
+                ping_interval=5,
+                max_outstanding_pings=3,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                connect_timeout=2,
+                **auth,
+            )
+        except PermissionDenied as exc:
+            with contextlib.suppress(Exception):
+                await nc.close()
+            get_logger(component="bus", client=name).error("nats_auth_failed", user=user, error=str(exc))
+            raise
         bus = cls(nc, name)
         holder["bus"] = bus
         if ensure:
@@ -171,10 +245,13 @@ class Bus:
         deadline = loop.time() + retry_for_s
         delay = 0.05
         while True:
+            attempt = loop.time()
             try:
                 await self.js.publish(subj, payload, headers=headers, timeout=2.0)
                 return
             except Exception as exc:
+                if self.denied.get(subj.lower(), -1.0) >= attempt:  # refused, not lost: no retry
+                    raise PermissionDenied(f"the NATS server refused publishing to {subj}") from exc
                 if loop.time() + delay > deadline or self._closing:
                     raise
                 self.log.warning("publish_retry", subject=subj, error=repr(exc))
@@ -297,7 +374,7 @@ class Bus:
                             await self.js.add_consumer(stream.name, config)
                         sub = await self.js.pull_subscribe_bind(durable, stream=stream.name)
                     msgs = await sub.fetch(batch, timeout=1.0)
-                except (TimeoutError, asyncio.TimeoutError):
+                except TimeoutError:
                     continue
                 except asyncio.CancelledError:
                     raise
@@ -342,9 +419,7 @@ class Bus:
         try:
             msg = decode(raw.data, raw.headers)
             if not isinstance(msg, expected):
-                raise DecodeError(
-                    f"{raw.subject} does not carry {msg.KIND!r}", msg.KIND
-                )
+                raise DecodeError(f"{raw.subject} does not carry {msg.KIND!r}", msg.KIND)
         except DecodeError as err:
             await self.report_bad_input(raw.subject, err)
             with contextlib.suppress(Exception):

@@ -74,38 +74,92 @@ class Subject:
         return _TOKEN.sub(lambda m: tokens.get(m.group(1), "*"), self.pattern)
 
 
-HEARTBEAT = Subject("phalanx.hb.{job}.{worker}", Heartbeat, Transport.CORE,
-                    "Liveness and progress of a rank or spare, every heartbeat interval.")
-REGISTERED = Subject("phalanx.evt.{job}.registered", Registered, Transport.JETSTREAM,
-                     "A worker process is warm and ready.")
-EXITED = Subject("phalanx.evt.{job}.exited", RankExited, Transport.JETSTREAM,
-                 "The launcher saw a worker process end (fast crash path).")
-COMM_ERROR = Subject("phalanx.evt.{job}.comm_error", CollectiveError, Transport.JETSTREAM,
-                     "A rank's collective raised.")
-FAILED = Subject("phalanx.evt.{job}.failed", RankFailed, Transport.JETSTREAM,
-                 "The failure-detector's verdict: a rank crashed.")
-HUNG = Subject("phalanx.evt.{job}.hung", RankHung, Transport.JETSTREAM,
-               "The failure-detector's verdict: a rank is hung.")
-DECISION = Subject("phalanx.evt.{job}.decision", PlanDecision, Transport.JETSTREAM,
-                   "The planner's decision on an incident and its reason.")
-ACK = Subject("phalanx.evt.{job}.ack", PlanAck, Transport.JETSTREAM,
-              "A member acknowledged a plan.")
-RECOVERED = Subject("phalanx.evt.{job}.recovered", RecoveryDone, Transport.JETSTREAM,
-                    "A rank completed its first step in a new generation.")
-JOB_SPEC = Subject("phalanx.cmd.{job}.spec", JobSpec, Transport.JETSTREAM,
-                   "A job's size limits, batch and workers, from its launcher.")
-PLAN = Subject("phalanx.cmd.{job}.plan", Plan, Transport.JETSTREAM,
-               "A committed plan: the membership of a new generation.")
-CAPACITY = Subject("phalanx.sched.{cluster}.capacity", CapacityChanged, Transport.JETSTREAM,
-                   "Free capacity changed in a cluster.")
-PREEMPT = Subject("phalanx.sched.{cluster}.preempt", PreemptionNotice, Transport.JETSTREAM,
-                  "The scheduler wants capacity back.")
-ERROR = Subject("phalanx.err.{service}", ErrorEvent, Transport.JETSTREAM,
-                "A service refused bad input.")
-HEALTH = Subject("phalanx.health.{service}", HealthReply, Transport.REQUEST,
-                 "Ask a service how it is (request: Ping, reply: HealthReply).")
+HEARTBEAT = Subject(
+    "phalanx.hb.{job}.{worker}",
+    Heartbeat,
+    Transport.CORE,
+    "Liveness and progress of a rank or spare, every heartbeat interval.",
+)
+REGISTERED = Subject(
+    "phalanx.evt.{job}.registered", Registered, Transport.JETSTREAM, "A worker process is warm and ready."
+)
+EXITED = Subject(
+    "phalanx.evt.{job}.exited",
+    RankExited,
+    Transport.JETSTREAM,
+    "The launcher saw a worker process end (fast crash path).",
+)
+COMM_ERROR = Subject(
+    "phalanx.evt.{job}.comm_error", CollectiveError, Transport.JETSTREAM, "A rank's collective raised."
+)
+FAILED = Subject(
+    "phalanx.evt.{job}.failed",
+    RankFailed,
+    Transport.JETSTREAM,
+    "The failure-detector's verdict: a rank crashed.",
+)
+HUNG = Subject(
+    "phalanx.evt.{job}.hung", RankHung, Transport.JETSTREAM, "The failure-detector's verdict: a rank is hung."
+)
+DECISION = Subject(
+    "phalanx.evt.{job}.decision",
+    PlanDecision,
+    Transport.JETSTREAM,
+    "The planner's decision on an incident and its reason.",
+)
+ACK = Subject("phalanx.evt.{job}.ack", PlanAck, Transport.JETSTREAM, "A member acknowledged a plan.")
+RECOVERED = Subject(
+    "phalanx.evt.{job}.recovered",
+    RecoveryDone,
+    Transport.JETSTREAM,
+    "A rank completed its first step in a new generation.",
+)
+JOB_SPEC = Subject(
+    "phalanx.cmd.{job}.spec",
+    JobSpec,
+    Transport.JETSTREAM,
+    "A job's size limits, batch and workers, from its launcher.",
+)
+PLAN = Subject(
+    "phalanx.cmd.{job}.plan",
+    Plan,
+    Transport.JETSTREAM,
+    "A committed plan: the membership of a new generation.",
+)
+CAPACITY = Subject(
+    "phalanx.sched.{cluster}.capacity",
+    CapacityChanged,
+    Transport.JETSTREAM,
+    "Free capacity changed in a cluster.",
+)
+PREEMPT = Subject(
+    "phalanx.sched.{cluster}.preempt",
+    PreemptionNotice,
+    Transport.JETSTREAM,
+    "The scheduler wants capacity back.",
+)
+ERROR = Subject("phalanx.err.{service}", ErrorEvent, Transport.JETSTREAM, "A service refused bad input.")
+HEALTH = Subject(
+    "phalanx.health.{service}",
+    HealthReply,
+    Transport.REQUEST,
+    "Ask a service how it is (request: Ping, reply: HealthReply).",
+)
 
 CATALOGUE: tuple[Subject, ...] = (
-    HEARTBEAT, REGISTERED, EXITED, COMM_ERROR, FAILED, HUNG, DECISION, ACK, RECOVERED,
-    JOB_SPEC, PLAN, CAPACITY, PREEMPT, ERROR, HEALTH,
+    HEARTBEAT,
+    REGISTERED,
+    EXITED,
+    COMM_ERROR,
+    FAILED,
+    HUNG,
+    DECISION,
+    ACK,
+    RECOVERED,
+    JOB_SPEC,
+    PLAN,
+    CAPACITY,
+    PREEMPT,
+    ERROR,
+    HEALTH,
 )

@@ -32,8 +32,8 @@ from phalanx.runtime.status import RankStatus
 from phalanx.schemas import (
     DecodeError,
     Message,
-    Plan,
     Phase,
+    Plan,
     PlanAck,
     Registered,
     Role,
@@ -55,8 +55,15 @@ def plan_key(job: str) -> str:
 
 
 class Agent:
-    def __init__(self, status: RankStatus, role: Role, *, url: str | None = None,
-                 heartbeat_s: float | None = None, incarnation: int = 0) -> None:
+    def __init__(
+        self,
+        status: RankStatus,
+        role: Role,
+        *,
+        url: str | None = None,
+        heartbeat_s: float | None = None,
+        incarnation: int = 0,
+    ) -> None:
         self.status = status
         self.role = role
         self.url = url
@@ -92,8 +99,14 @@ class Agent:
             self.log.debug("no_committed_plan", error=repr(exc))
         await bus.publish(
             REGISTERED,
-            Registered(job=self.status.job, worker=self.status.worker, role=self.role,
-                       host=self.status.host, pid=os.getpid(), incarnation=self.incarnation),
+            Registered(
+                job=self.status.job,
+                worker=self.status.worker,
+                role=self.role,
+                host=self.status.host,
+                pid=os.getpid(),
+                incarnation=self.incarnation,
+            ),
             job=self.status.job,
             msg_id=f"{self.status.job}:{self.status.worker}:{os.getpid()}:registered",
         )
@@ -109,8 +122,13 @@ class Agent:
                 # Say goodbye, so the detector does not take the silence for a hang.
                 self.status.enter(Phase.DONE)
                 with contextlib.suppress(Exception):
-                    await self._bus.publish(HEARTBEAT, self.status.heartbeat(self._hb.seq if self._hb else 0, 1.0), traced=False,
-                                            job=self.status.job, worker=self.status.worker)
+                    await self._bus.publish(
+                        HEARTBEAT,
+                        self.status.heartbeat(self._hb.seq if self._hb else 0, 1.0),
+                        traced=False,
+                        job=self.status.job,
+                        worker=self.status.worker,
+                    )
                 await self._bus.close()
 
         with contextlib.suppress(Exception):
@@ -171,15 +189,22 @@ class Agent:
         return latest is not None and latest.plan.generation > generation
 
     # -- publishing from the training thread ------------------------------------
-    def publish(self, subject: Subject, msg: Message, *, wait_s: float | None = None,
-                context: otel_context.Context | None = None, **tokens: str) -> None:
+    def publish(
+        self,
+        subject: Subject,
+        msg: Message,
+        *,
+        wait_s: float | None = None,
+        context: otel_context.Context | None = None,
+        **tokens: str,
+    ) -> None:
         """Publish from any thread; waits for the server's ack when ``wait_s`` is given."""
 
         async def _pub() -> None:
             assert self._bus is not None
             token = otel_context.attach(context) if context is not None else None
             try:
-                await self._bus.publish(subject, msg, **tokens)
+                await self._bus.publish(subject, msg, **tokens)  # type: ignore[arg-type]
             finally:
                 if token is not None:
                     otel_context.detach(token)

@@ -82,8 +82,9 @@ def arrival_barrier(
 class Communicator:
     """The process group of one generation, and the few collectives the runtime uses."""
 
-    def __init__(self, store: dist.Store, prefix: str, rank: int, world_size: int,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
         self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
@@ -126,7 +127,7 @@ class Communicator:
 
     def allreduce_sum_(self, t: torch.Tensor, timeout_s: float | None = None) -> None:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stubs mix ReduceOp and RedOpType
         opts.timeout = timedelta(seconds=timeout_s) if timeout_s else self.timeout
         self._run("allreduce", lambda: self.pg.allreduce([t], opts))
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 _ENTRY = re.compile(r"^(kill|stop|stall|exit):([A-Za-z0-9_-]+)@(step|recovery)=(\d+)$")
@@ -67,8 +67,9 @@ class FaultPlan:
 def _log(f: Fault) -> None:
     path = os.environ.get("PHALANX_FAULT_LOG")
     if path:
-        line = json.dumps({"worker": f.worker, "action": f.action, "point": f.point, "value": f.value,
-                           "ts": time.time()})
+        line = json.dumps(
+            {"worker": f.worker, "action": f.action, "point": f.point, "value": f.value, "ts": time.time()}
+        )
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, (line + "\n").encode())

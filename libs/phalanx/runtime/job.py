@@ -47,7 +47,9 @@ class Job:
 def _need(name: str) -> str:
     value = os.environ.get(name)
     if not value:
-        raise LaunchEnvError(f"{name} is not set: start this script with `phalanx run ... -- python script.py`")
+        raise LaunchEnvError(
+            f"{name} is not set: start this script with `phalanx run ... -- python script.py`"
+        )
     return value
 
 

@@ -28,8 +28,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 from phalanx.bus import JOBS_BUCKET, Bus
 from phalanx.bus.subjects import DECISION, EXITED, JOB_SPEC, PLAN
@@ -74,7 +78,7 @@ class Launcher:
         self.plan: Plan | None = None
         self.decision: PlanDecision | None = None
         self.bus: Bus | None = None
-        self.store = None
+        self.store: dist.TCPStore | None = None
         self._done = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next_index = 0
@@ -92,15 +96,20 @@ class Launcher:
         names = [f"w{i}" for i in range(cfg.nproc + cfg.spares)]
         self._next_index = len(names)
         spec = JobSpec(
-            job=self.job, world_size=cfg.nproc,
-            min_world_size=cfg.min_nproc or cfg.nproc, max_world_size=cfg.max_nproc or cfg.nproc,
-            global_batch=cfg.global_batch, workers=names,
+            job=self.job,
+            world_size=cfg.nproc,
+            min_world_size=cfg.min_nproc or cfg.nproc,
+            max_world_size=cfg.max_nproc or cfg.nproc,
+            global_batch=cfg.global_batch,
+            workers=names,
         )
         # A fresh job: forget any plan a previous job of the same name left.
         kv = await bus.js.key_value(JOBS_BUCKET)
         with contextlib.suppress(Exception):
             await kv.purge(f"{self.job}.plan")
-        await bus.publish(JOB_SPEC, spec, job=self.job, msg_id=f"{self.job}:spec:{os.getpid()}:{time.time_ns()}")
+        await bus.publish(
+            JOB_SPEC, spec, job=self.job, msg_id=f"{self.job}:spec:{os.getpid()}:{time.time_ns()}"
+        )
         for i, name in enumerate(names):
             self.spawn(name, Role.RANK if i < cfg.nproc else Role.SPARE)
 
@@ -111,9 +120,15 @@ class Launcher:
 
     def spawn(self, name: str, role: Role) -> Worker:
         cfg = self.config
-        env = {**os.environ, **cfg.env,
-               "PHALANX_JOB": self.job, "PHALANX_WORKER": name, "PHALANX_ROLE": role.value,
-               "PHALANX_STORE_ADDR": self.store_addr, "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            **cfg.env,
+            "PHALANX_JOB": self.job,
+            "PHALANX_WORKER": name,
+            "PHALANX_ROLE": role.value,
+            "PHALANX_STORE_ADDR": self.store_addr,
+            "PYTHONUNBUFFERED": "1",
+        }
         if cfg.nats_url:
             env["NATS_URL"] = cfg.nats_url
         out: int | None = None
@@ -143,12 +158,19 @@ class Launcher:
         rc = w.returncode
         assert rc is not None and w.exited_at is not None and self.bus is not None
         event = RankExited(
-            job=self.job, worker=w.name, pid=w.proc.pid, host=socket.gethostname(),
-            exit_code=rc if rc >= 0 else None, signal=-rc if rc < 0 else None, exited_at=w.exited_at,
+            job=self.job,
+            worker=w.name,
+            pid=w.proc.pid,
+            host=socket.gethostname(),
+            exit_code=rc if rc >= 0 else None,
+            signal=-rc if rc < 0 else None,
+            exited_at=w.exited_at,
         )
         self.log.info("worker_exited", worker=w.name, pid=w.proc.pid, returncode=rc)
         if not self._done.is_set():
-            await self.bus.publish(EXITED, event, job=self.job, msg_id=f"{self.job}:{w.name}:{w.proc.pid}:exit")
+            await self.bus.publish(
+                EXITED, event, job=self.job, msg_id=f"{self.job}:{w.name}:{w.proc.pid}:exit"
+            )
         self._check_done()
 
     def _check_done(self) -> None:
@@ -224,4 +246,3 @@ async def run(config: LaunchConfig, timeout_s: float | None = None) -> int:
         return await launcher.wait(timeout_s)
     finally:
         await launcher.stop()
-

@@ -22,6 +22,7 @@ import torch
 from phalanx.runtime.comm import Communicator
 
 _TAG_HEADER, _TAG_META, _TAG_BUF = 101, 102, 103
+_ALIGN = 16
 
 
 class StateTransferError(RuntimeError):
@@ -53,23 +54,28 @@ def pack(obj: Any) -> tuple[bytes, torch.Tensor]:
 
     skeleton = walk(obj)
     flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
-    buf = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
-    sizes = [f.numel() for f in flat]
-    return pickle.dumps((skeleton, sizes), protocol=pickle.HIGHEST_PROTOCOL), buf
+    # Each tensor starts on a 16-byte boundary so that unpack can view it in place
+    # as its dtype whatever came before it (an odd-sized uint8 tensor, say).
+    offsets, end = [], 0
+    for f in flat:
+        offsets.append(end)
+        end += (f.numel() + _ALIGN - 1) // _ALIGN * _ALIGN
+    buf = torch.zeros(end, dtype=torch.uint8)
+    for off, f in zip(offsets, flat, strict=True):
+        buf[off : off + f.numel()] = f
+    spans = [(off, f.numel()) for off, f in zip(offsets, flat, strict=True)]
+    return pickle.dumps((skeleton, spans, end), protocol=pickle.HIGHEST_PROTOCOL), buf
 
 
 def unpack(meta: bytes, buf: torch.Tensor) -> Any:
-    skeleton, sizes = pickle.loads(meta)
-    offsets = [0]
-    for n in sizes:
-        offsets.append(offsets[-1] + n)
-    if offsets[-1] != buf.numel():
-        raise StateTransferError(f"buffer holds {buf.numel()} bytes, structure needs {offsets[-1]}")
+    skeleton, spans, total = pickle.loads(meta)
+    if total != buf.numel():
+        raise StateTransferError(f"buffer holds {buf.numel()} bytes, structure needs {total}")
 
     def walk(o: Any) -> Any:
         if isinstance(o, _TensorRef):
-            raw = buf[offsets[o.index] : offsets[o.index + 1]]
-            return raw.view(o.dtype).reshape(o.shape)
+            off, n = spans[o.index]
+            return buf[off : off + n].view(o.dtype).reshape(o.shape)
         if isinstance(o, dict):
             return {k: walk(v) for k, v in o.items()}
         if isinstance(o, list):
@@ -82,7 +88,7 @@ def unpack(meta: bytes, buf: torch.Tensor) -> Any:
 
 
 def checksum(buf: torch.Tensor) -> int:
-    return zlib.crc32(buf.numpy())
+    return zlib.crc32(buf.numpy().data)
 
 
 def send_state(comm: Communicator, meta: bytes, buf: torch.Tensor, crc: int, dst: int) -> None:

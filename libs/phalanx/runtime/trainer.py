@@ -35,6 +35,7 @@ exactly what the rank it replaces would have drawn.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -125,7 +126,8 @@ class Trainer:
         self.global_batch, self.seed = global_batch, seed
         self.data_state = data_state
         self.collective_timeout_s = collective_timeout_s or float(
-            os.environ.get("PHALANX_COLLECTIVE_TIMEOUT_S", "120"))
+            os.environ.get("PHALANX_COLLECTIVE_TIMEOUT_S", "120")
+        )
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.plan_timeout_s = plan_timeout_s
         self.on_step = on_step
@@ -159,8 +161,9 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"].clone())  # a view into the buffer segfaults
         self.step = int(state["step"])
         if self.data_state is not None and state["data"] != self.data_state(self.step):
-            raise RecoveryError(f"data position mismatch: got {state['data']}, "
-                                f"expected {self.data_state(self.step)}")
+            raise RecoveryError(
+                f"data position mismatch: got {state['data']}, expected {self.data_state(self.step)}"
+            )
         self.job.status.step = self.step
 
     # -- the loop --------------------------------------------------------------------
@@ -270,8 +273,14 @@ class Trainer:
             self.log.warning("collective_failed", step=self.step, generation=self.generation, error=str(err))
             self.job.agent.publish(
                 COMM_ERROR,
-                CollectiveError(job=self.job.job, worker=self.job.worker, rank=self.rank,
-                                generation=self.generation, step=self.step, error=str(err)[:2000]),
+                CollectiveError(
+                    job=self.job.job,
+                    worker=self.job.worker,
+                    rank=self.rank,
+                    generation=self.generation,
+                    step=self.step,
+                    error=str(err)[:2000],
+                ),
                 job=self.job.job,
             )
         self._join(rec, first=False)
@@ -300,10 +309,17 @@ class Trainer:
             try:
                 self.job.faults.fire(self.job.worker, "recovery", plan.generation)
                 t = time.time()
-                arrival_barrier(self.job.store, plan.store_prefix, rank, plan.world_size,
-                                lambda g=plan.generation: agent.superseded(g), self.rendezvous_timeout_s)
-                comm = Communicator(self.job.store, plan.store_prefix, rank, plan.world_size,
-                                    self.collective_timeout_s)
+                arrival_barrier(
+                    self.job.store,
+                    plan.store_prefix,
+                    rank,
+                    plan.world_size,
+                    functools.partial(agent.superseded, plan.generation),
+                    self.rendezvous_timeout_s,
+                )
+                comm = Communicator(
+                    self.job.store, plan.store_prefix, rank, plan.world_size, self.collective_timeout_s
+                )
                 t = rec.mark("comm_init", t)
                 rec.bytes_received = self._sync_state(comm, rank)
                 t = rec.mark("state_transfer", t)
@@ -314,13 +330,23 @@ class Trainer:
                     comm.destroy()
                 self.log.warning("generation_abandoned", generation=plan.generation, error=str(exc))
                 continue
-            self.comm, self.generation, self.rank, self.world_size = comm, plan.generation, rank, plan.world_size
+            self.comm, self.generation, self.rank, self.world_size = (
+                comm,
+                plan.generation,
+                rank,
+                plan.world_size,
+            )
             status.rank, status.generation = rank, plan.generation
             self.recoveries += 0 if first else 1
             self._pending = rec
-            self.log.info("generation_joined", generation=plan.generation, rank=rank,
-                          world_size=plan.world_size, step=self.step,
-                          phases_ms={k: round((e - s) * 1000, 2) for k, (s, e) in rec.marks.items()})
+            self.log.info(
+                "generation_joined",
+                generation=plan.generation,
+                rank=rank,
+                world_size=plan.world_size,
+                step=self.step,
+                phases_ms={k: round((e - s) * 1000, 2) for k, (s, e) in rec.marks.items()},
+            )
             return
 
     def _sync_state(self, comm: Communicator, rank: int) -> int:
@@ -356,18 +382,32 @@ class Trainer:
                     continue
                 s, e = rec.marks[name]
                 span = _tracer.start_span(
-                    name, context=rec.context, start_time=int(s * 1e9),
-                    attributes={"phalanx.job": self.job.job, "phalanx.worker": self.job.worker,
-                                "phalanx.rank": self.rank, "phalanx.generation": self.generation,
-                                "phalanx.incident": rec.incident or "", "phalanx.role": rec.role,
-                                "phalanx.step": self.step,
-                                "phalanx.bytes_received": rec.bytes_received},
+                    name,
+                    context=rec.context,
+                    start_time=int(s * 1e9),
+                    attributes={
+                        "phalanx.job": self.job.job,
+                        "phalanx.worker": self.job.worker,
+                        "phalanx.rank": self.rank,
+                        "phalanx.generation": self.generation,
+                        "phalanx.incident": rec.incident or "",
+                        "phalanx.role": rec.role,
+                        "phalanx.step": self.step,
+                        "phalanx.bytes_received": rec.bytes_received,
+                    },
                 )
                 span.end(end_time=int(e * 1e9))
         self.job.agent.publish(
             RECOVERED,
-            RecoveryDone(job=self.job.job, generation=self.generation, worker=self.job.worker,
-                         rank=self.rank, step=self.step, incident=rec.incident, phases_ms=phases_ms),
+            RecoveryDone(
+                job=self.job.job,
+                generation=self.generation,
+                worker=self.job.worker,
+                rank=self.rank,
+                step=self.step,
+                incident=rec.incident,
+                phases_ms=phases_ms,
+            ),
             job=self.job.job,
         )
 

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from phalanx.schemas._base import Message, message_class
 
-__all__ = ["DecodeError", "decode", "encode", "headers_for", "HDR_KIND", "HDR_SCHEMA", "HDR_ENCODING"]
+__all__ = ["HDR_ENCODING", "HDR_KIND", "HDR_SCHEMA", "DecodeError", "decode", "encode", "headers_for"]
 
 HDR_KIND = "Phalanx-Kind"
 HDR_SCHEMA = "Phalanx-Schema"
@@ -56,9 +56,7 @@ def encode(msg: Message) -> tuple[bytes, dict[str, str]]:
 def decode(data: bytes, headers: dict[str, str] | None) -> Message: ...
 @overload
 def decode(data: bytes, headers: dict[str, str] | None, expected: type[M]) -> M: ...
-def decode(
-    data: bytes, headers: dict[str, str] | None, expected: type[Message] | None = None
-) -> Message:
+def decode(data: bytes, headers: dict[str, str] | None, expected: type[Message] | None = None) -> Message:
     """Decode a payload; raises :class:`DecodeError` for anything but a valid message."""
     headers = headers or {}
     kind = headers.get(HDR_KIND)
@@ -75,8 +73,7 @@ def decode(
     version = headers.get(HDR_SCHEMA)
     if version != str(cls.SCHEMA_VERSION):
         raise DecodeError(
-            f"schema version {version!r} of {kind!r} not understood (this side speaks "
-            f"{cls.SCHEMA_VERSION})",
+            f"schema version {version!r} of {kind!r} not understood (this side speaks {cls.SCHEMA_VERSION})",
             kind,
         )
     try:

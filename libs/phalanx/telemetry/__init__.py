@@ -12,7 +12,14 @@ from phalanx.telemetry.tracing import (
 )
 
 __all__ = [
-    "JsonLinesSpanExporter", "extract_context", "flush_tracing", "get_logger",
-    "inject_headers", "setup_logging", "setup_tracing", "shutdown_tracing", "span_to_dict",
+    "JsonLinesSpanExporter",
+    "extract_context",
+    "flush_tracing",
+    "get_logger",
+    "inject_headers",
+    "setup_logging",
+    "setup_tracing",
+    "shutdown_tracing",
+    "span_to_dict",
     "tracer",
 ]

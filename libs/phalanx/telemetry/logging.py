@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -13,7 +14,7 @@ from opentelemetry import trace
 _configured = False
 
 
-def _add_trace_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+def _add_trace_ids(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     ctx = trace.get_current_span().get_span_context()
     if ctx.is_valid:
         event["trace_id"] = trace.format_trace_id(ctx.trace_id)

@@ -24,4 +24,4 @@ def traceparent(headers: dict[str, str] | None) -> str | None:
     return (headers or {}).get("traceparent")
 
 
-__all__ = ["inject_headers", "extract_context", "traceparent", "inject", "extract"]
+__all__ = ["extract", "extract_context", "inject", "inject_headers", "traceparent"]

@@ -61,9 +61,7 @@ class JsonLinesSpanExporter(SpanExporter):
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        data = b"".join(
-            (json.dumps(span_to_dict(s), default=str) + "\n").encode() for s in spans
-        )
+        data = b"".join((json.dumps(span_to_dict(s), default=str) + "\n").encode() for s in spans)
         if data:
             os.write(self._fd, data)
         return SpanExportResult.SUCCESS
@@ -97,9 +95,7 @@ def setup_tracing(
 
                 exporter = OTLPSpanExporter()
             else:
-                exporter = JsonLinesSpanExporter(
-                    os.environ.get("PHALANX_SPAN_FILE", DEFAULT_SPAN_FILE)
-                )
+                exporter = JsonLinesSpanExporter(os.environ.get("PHALANX_SPAN_FILE", DEFAULT_SPAN_FILE))
         processor = (
             BatchSpanProcessor(exporter, schedule_delay_millis=200)
             if batch

@@ -1,0 +1,161 @@
+"""The default fault policy (services.elasticity_planner.policy.ReplaceOrShrink):
+replace with a hot spare, drop a lost spare, shrink, stop, or hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from phalanx.schemas import Action, JobSpec, Member, Plan
+from services.elasticity_planner.policy import Decision, Fault, JobPhase, JobState, ReplaceOrShrink
+
+JOB = "job-1"
+
+
+def make_state(
+    members: list[str],
+    spares: list[str] | None = None,
+    *,
+    min_world_size: int = 1,
+    phase: JobPhase = JobPhase.RUNNING,
+    lost: set[str] | None = None,
+    generation: int = 3,
+) -> JobState:
+    spares = list(spares or [])
+    n = len(members)
+    spec = JobSpec(
+        job=JOB,
+        world_size=n,
+        min_world_size=min_world_size,
+        max_world_size=n + len(spares),
+        global_batch=8,
+        workers=members + spares,
+    )
+    plan = Plan(
+        job=JOB,
+        generation=generation,
+        members=[Member(rank=i, worker=w) for i, w in enumerate(members)],
+        spares=spares,
+        reason="test",
+        store_prefix=f"{JOB}/g{generation}",
+    )
+    return JobState(
+        spec=spec, phase=phase, plan=plan, ranks=list(members), spares=spares, lost=set(lost or ())
+    )
+
+
+def fault(worker: str, cause: str = "process_exit", hung: bool = False) -> Fault:
+    return Fault(incident="inc-1", worker=worker, cause=cause, hung=hung)
+
+
+def decide(state: JobState, f: Fault) -> Decision:
+    return ReplaceOrShrink().on_fault(state, f)
+
+
+def next_plan(d: Decision) -> Plan:
+    """The decision's members make a valid plan (dense ranks, no worker twice)."""
+    assert d.members is not None
+    return Plan(job=JOB, generation=4, members=d.members, reason=d.reason, store_prefix=f"{JOB}/g4")
+
+
+def members_of(d: Decision) -> list[tuple[int, str]]:
+    assert d.members is not None
+    return sorted((m.rank, m.worker) for m in d.members)
+
+
+def test_replace_with_first_spare_keeping_the_rank() -> None:
+    state = make_state(["w0", "w1", "w2", "w3"], ["s0", "s1"])
+    d = decide(state, fault("w2"))
+    assert d.action is Action.REPLACE
+    assert members_of(d) == [(0, "w0"), (1, "w1"), (2, "s0"), (3, "w3")]
+    assert d.removed == ["w2"] and d.spares_used == ["s0"]
+    assert "w2" in d.reason and "s0" in d.reason and "rank 2" in d.reason
+    next_plan(d)
+
+
+def test_replace_rank_zero_and_the_policy_is_pure() -> None:
+    state = make_state(["w0", "w1"], ["s0", "s1"])
+    before = (list(state.spares), set(state.lost), state.plan)
+    d = decide(state, fault("w0", cause="heartbeat_lost", hung=True))
+    assert d.action is Action.REPLACE
+    assert members_of(d) == [(0, "s0"), (1, "w1")]
+    assert (list(state.spares), set(state.lost), state.plan) == before
+
+
+def test_lost_spare_is_dropped_from_the_pool() -> None:
+    state = make_state(["w0", "w1"], ["s0", "s1"])
+    d = decide(state, fault("s1"))
+    assert d.action is Action.HOLD
+    assert d.removed == ["s1"] and d.members is None and d.spares_used == []
+    assert "s1" in d.reason
+
+
+@pytest.mark.parametrize("worker", ["w9", "s7", ""])
+def test_non_member_holds(worker: str) -> None:
+    state = make_state(["w0", "w1"], ["s0"])
+    d = decide(state, fault(worker))
+    assert d.action is Action.HOLD
+    assert d.members is None and d.removed == [] and d.spares_used == []
+    assert "not a member of generation 3" in d.reason
+
+
+def test_no_plan_yet_holds() -> None:
+    state = make_state(["w0", "w1"], ["s0"], phase=JobPhase.WAITING)
+    state.plan = None
+    d = decide(state, fault("w0"))
+    assert d.action is Action.HOLD and d.members is None
+    assert "generation 0" in d.reason
+
+
+def test_already_lost_worker_holds() -> None:
+    state = make_state(["w0", "w1"], ["s0"], lost={"w1"})
+    d = decide(state, fault("w1"))
+    assert d.action is Action.HOLD
+    assert d.members is None and d.removed == [] and d.spares_used == []
+    assert "already handled" in d.reason
+
+
+def test_shrink_without_spare_renumbers_densely() -> None:
+    state = make_state(["w0", "w1", "w2", "w3"], min_world_size=2)
+    d = decide(state, fault("w1"))
+    assert d.action is Action.SHRINK
+    assert members_of(d) == [(0, "w0"), (1, "w2"), (2, "w3")]
+    assert d.removed == ["w1"] and d.spares_used == []
+    assert "shrink to 3" in d.reason
+    assert next_plan(d).world_size == 3
+
+
+def test_shrink_exactly_to_min_world_size() -> None:
+    state = make_state(["w0", "w1", "w2"], min_world_size=2)
+    d = decide(state, fault("w2"))
+    assert d.action is Action.SHRINK
+    assert members_of(d) == [(0, "w0"), (1, "w1")]
+
+
+def test_stop_below_min_world_size() -> None:
+    state = make_state(["w0", "w1", "w2"], min_world_size=3)
+    d = decide(state, fault("w0"))
+    assert d.action is Action.STOP
+    assert d.members is None and d.removed == ["w0"]
+    assert "min_world_size=3" in d.reason and "2 ranks" in d.reason
+
+
+def test_stop_when_the_last_rank_is_lost() -> None:
+    state = make_state(["w0"], min_world_size=1)
+    d = decide(state, fault("w0"))
+    assert d.action is Action.STOP
+    assert "min_world_size=1" in d.reason
+
+
+@pytest.mark.parametrize("phase", [JobPhase.STOPPED, JobPhase.COMPLETED])
+@pytest.mark.parametrize("worker", ["w0", "s0"])
+def test_finished_job_holds(phase: JobPhase, worker: str) -> None:
+    state = make_state(["w0", "w1"], ["s0"], phase=phase)
+    d = decide(state, fault(worker))
+    assert d.action is Action.HOLD
+    assert d.members is None and d.removed == [] and d.spares_used == []
+    assert phase.value in d.reason
+
+
+def test_fault_while_recovering_is_still_planned() -> None:
+    state = make_state(["w0", "w1"], ["s0"], phase=JobPhase.RECOVERING)
+    assert decide(state, fault("w1")).action is Action.REPLACE
