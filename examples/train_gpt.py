@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=str(DEFAULT_OUT))
+    p.add_argument("--prepare-ahead", type=int, default=2,
+                   help="prepare this rank's next N shards in shared memory, for a replacement on this node")
     p.add_argument("--save", help="rank 0 writes the final state_dict here")
     p.add_argument("--steps-log", help="rank 0 appends one JSON line per completed step")
     return p.parse_args(argv)
@@ -59,11 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head)
     model = GPT(cfg, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    stream = DataStream.open(args.data, args.seq_len, args.seed)
+    stream = DataStream.open(args.data, args.seq_len, args.seed, prepared_cache=args.prepare_ahead > 0)
+    # Prepared shards are written off the training thread; a joiner taking this
+    # rank's index on this node reads them instead of gathering its batch again.
+    preparer = ThreadPoolExecutor(1, thread_name_prefix="prepare") if args.prepare_ahead else None
     G, m = args.global_batch, args.micro_batch
     log = open(args.steps_log, "a") if args.steps_log else None
 
     def on_step(step: int, step_ms: float) -> None:
+        if preparer is not None:
+            preparer.submit(stream.prepare, step, args.prepare_ahead, G, trainer.world_size, trainer.rank)
         if log is not None and trainer.rank == 0:
             log.write(
                 json.dumps(
@@ -89,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = f"{args.save}.tmp.{os.getpid()}"
         torch.save(model.state_dict(), tmp)
         os.replace(tmp, args.save)
+    if preparer is not None:
+        preparer.shutdown(wait=True)
     job.close()
     return 0
 

@@ -114,7 +114,7 @@ class ReplaceOrShrink:
                 removed=[fault.worker],
                 spares_used=[spare],
             )
-        survivors = [m.worker for m in plan.members if m.worker != fault.worker]
+        survivors = [m.worker for m in sorted(plan.members, key=lambda m: m.rank) if m.worker != fault.worker]
         if len(survivors) >= state.spec.min_world_size:
             members = [Member(rank=i, worker=w) for i, w in enumerate(survivors)]
             return Decision(

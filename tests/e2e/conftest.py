@@ -39,7 +39,12 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    env = {"PHALANX_STALL_FLOOR_MS": "1500", "PHALANX_STALL_INITIAL_MS": "10000"}
+    env = {
+        "PHALANX_STALL_FLOOR_MS": "1500",
+        "PHALANX_STALL_INITIAL_MS": "10000",
+        # data order and prepared shards in the test's own directory, not /dev/shm
+        "PHALANX_DATA_CACHE_DIR": str(tmp_path_factory.mktemp("datacache")),
+    }
     with LocalStack(
         tmp_path_factory.mktemp("stack"), services=("failure-detector", "elasticity-planner"), env=env
     ) as s:

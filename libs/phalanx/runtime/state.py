@@ -36,6 +36,16 @@ class _TensorRef:
         self.index, self.dtype, self.shape = index, dtype, shape
 
 
+def _same_mapping(like: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
+    """A mapping of ``like``'s type (an OrderedDict stays one) keeping its
+    ``_metadata``, which ``load_state_dict`` reads for module versions."""
+    out = type(like)(items) if type(like) is not dict else items
+    meta = getattr(like, "_metadata", None)
+    if meta is not None:
+        out._metadata = meta  # type: ignore[attr-defined]
+    return out
+
+
 def pack(obj: Any) -> tuple[bytes, torch.Tensor]:
     tensors: list[torch.Tensor] = []
 
@@ -45,7 +55,7 @@ def pack(obj: Any) -> tuple[bytes, torch.Tensor]:
             tensors.append(t)
             return _TensorRef(len(tensors) - 1, t.dtype, tuple(t.shape))
         if isinstance(o, dict):
-            return {k: walk(v) for k, v in o.items()}
+            return _same_mapping(o, {k: walk(v) for k, v in o.items()})
         if isinstance(o, list):
             return [walk(v) for v in o]
         if isinstance(o, tuple):
@@ -77,7 +87,7 @@ def unpack(meta: bytes, buf: torch.Tensor) -> Any:
             off, n = spans[o.index]
             return buf[off : off + n].view(o.dtype).reshape(o.shape)
         if isinstance(o, dict):
-            return {k: walk(v) for k, v in o.items()}
+            return _same_mapping(o, {k: walk(v) for k, v in o.items()})
         if isinstance(o, list):
             return [walk(v) for v in o]
         if isinstance(o, tuple):
