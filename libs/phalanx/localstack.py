@@ -7,15 +7,22 @@ benchmarks all run through it; it is also the quickest way to try Phalanx.
 ...                            faults="kill:w2@step=8")
 ...     result.returncode, [d.action for d in result.decisions]
 (0, ['start', 'replace'])
+
+``LocalStack(workdir, auth=True)`` runs its nats-server with the users and
+permissions of :mod:`phalanx.natsauth` and gives each process its role's
+credentials (services their own role, the launcher ``launcher``, ranks ``rank``,
+the stack's observer ``observer``, its health checks ``admin``); default off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -23,7 +30,9 @@ from types import TracebackType
 from nats.aio.msg import Msg
 
 from phalanx.bus import Bus
+from phalanx.bus._connection import ENV_NATS_PASSWORD, ENV_NATS_USER
 from phalanx.bus.subjects import DECISION, FAILED, HUNG, PLAN, RECOVERED
+from phalanx.natsauth import ROLE_OF_SERVICE, NatsAuth
 from phalanx.natsserver import NatsServer
 from phalanx.runtime.launcher import LaunchConfig, Launcher
 from phalanx.schemas import Plan, PlanDecision, RankFailed, RankHung, RecoveryDone, decode
@@ -56,6 +65,7 @@ class LocalStack:
         *,
         services: tuple[str, ...] = tuple(SERVICE_MODULES),
         env: dict[str, str] | None = None,
+        auth: bool = False,
     ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -64,6 +74,8 @@ class LocalStack:
         self.env.setdefault("PHALANX_SPAN_FILE", str(self.workdir / "spans.jsonl"))
         self.server: NatsServer | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.with_auth = auth
+        self.auth: NatsAuth | None = None  # the users, once start() made them
 
     @property
     def url(self) -> str:
@@ -73,21 +85,47 @@ class LocalStack:
     def span_file(self) -> Path:
         return Path(self.env["PHALANX_SPAN_FILE"])
 
+    def role_env(self, role: str) -> dict[str, str]:
+        """The credentials a process of ``role`` gets (nothing with auth off)."""
+        return self.auth.env(role) if self.auth is not None else {}
+
+    @contextlib.contextmanager
+    def _credentials(self, role: str) -> Iterator[None]:
+        """This process's environment holds ``role``'s credentials while Bus.connect reads them."""
+        saved = {k: os.environ.get(k) for k in (ENV_NATS_USER, ENV_NATS_PASSWORD)}
+        os.environ.update(self.role_env(role))
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
     def start(self) -> LocalStack:
+        if self.with_auth and os.environ.get("NATS_URL"):
+            raise ValueError("LocalStack(auth=True) configures its own nats-server: unset NATS_URL")
         if not os.environ.get("NATS_URL"):
-            self.server = NatsServer(store_dir=self.workdir / "nats").start()
+            conf = None
+            if self.with_auth:
+                self.auth = NatsAuth.generate()
+                conf = self.auth.write_config(self.workdir / "nats.conf", listen=None)
+            self.server = NatsServer(store_dir=self.workdir / "nats", config_file=conf).start()
             self.env["NATS_URL"] = self.server.url
         for name in self.services:
             log = open(self.workdir / f"{name}.log", "ab")
+            env = {**self.env, **self.role_env(ROLE_OF_SERVICE[name])}
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", SERVICE_MODULES[name]], env=self.env, stdout=log, stderr=log
+                [sys.executable, "-m", SERVICE_MODULES[name]], env=env, stdout=log, stderr=log
             )
             log.close()
         asyncio.run(self._wait_healthy())
         return self
 
     async def _wait_healthy(self, timeout_s: float = 60.0) -> None:
-        bus = await Bus.connect(self.url, name="localstack")
+        with self._credentials("admin"):
+            bus = await Bus.connect(self.url, name="localstack")
         try:
             deadline = time.monotonic() + timeout_s
             for name in self.services:
@@ -165,7 +203,8 @@ class LocalStack:
         env: dict[str, str] | None = None,
     ) -> JobResult:
         result = JobResult(job, -1, 0.0)
-        bus = await Bus.connect(self.url, name=f"observer-{job}")
+        with self._credentials("observer"):  # an observer may not create streams: auth on, no ensure
+            bus = await Bus.connect(self.url, name=f"observer-{job}", ensure=self.auth is None)
 
         async def on_msg(raw: Msg) -> None:
             msg = decode(raw.data, raw.headers)
@@ -192,6 +231,7 @@ class LocalStack:
                 env={
                     **{k: v for k, v in self.env.items() if k.startswith(("PHALANX_", "OTEL_"))},
                     "PHALANX_FAULTS": faults,
+                    **self.role_env("rank"),
                     **(env or {}),
                 },
                 log_dir=self.workdir / "logs" / job,
@@ -199,7 +239,8 @@ class LocalStack:
         )
         t0 = time.time()
         try:
-            await launcher.start()
+            with self._credentials("launcher"):  # its own connection; its ranks get cfg.env's
+                await launcher.start()
             result.returncode = await launcher.wait(timeout_s)
         finally:
             result.wall_s = time.time() - t0

@@ -175,5 +175,7 @@ def test_generated_files(tmp_path: Path) -> None:
         assert key in (ENV_NATS_USER, ENV_NATS_PASSWORD)
         assert f'"{value}"' in conf  # the password the server checks
     assert 'listen: "0.0.0.0:4222"' in conf and 'store_dir: "/data"' in conf
+    block = NatsAuth.generate().render_config(authorization_only=True, store_dir="/data")
+    assert "authorization" in block and "listen" not in block and "jetstream" not in block  # to include
     a, b = NatsAuth.generate(), NatsAuth.generate()
     assert a.env("rank")[ENV_NATS_PASSWORD] != b.env("rank")[ENV_NATS_PASSWORD]  # random per deployment

@@ -156,15 +156,17 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Adopt a peer's state; refuses (changing nothing) one taken on other data."""
+        step = int(state["step"])
+        if self.data_state is not None and state["data"] != self.data_state(step):
+            raise RecoveryError(
+                f"data position mismatch: got {state['data']}, expected {self.data_state(step)}"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"].clone())  # a view into the buffer segfaults
-        self.step = int(state["step"])
-        if self.data_state is not None and state["data"] != self.data_state(self.step):
-            raise RecoveryError(
-                f"data position mismatch: got {state['data']}, expected {self.data_state(self.step)}"
-            )
-        self.job.status.step = self.step
+        self.step = step
+        self.job.status.step = step
 
     # -- the loop --------------------------------------------------------------------
     def fit(self, steps: int) -> int:
