@@ -34,10 +34,11 @@ class JobState:
     spares: list[str] = field(default_factory=list)  # warm spares, first to be used first
     lost: set[str] = field(default_factory=set)
     acks: set[str] = field(default_factory=set)
+    base_generation: int = 0  # the job's generation when this launch began
 
     @property
     def generation(self) -> int:
-        return self.plan.generation if self.plan else 0
+        return self.plan.generation if self.plan else self.base_generation
 
 
 def state_to_dict(state: JobState) -> dict[str, Any]:
@@ -48,6 +49,7 @@ def state_to_dict(state: JobState) -> dict[str, Any]:
         "ranks": list(state.ranks),
         "spares": list(state.spares),
         "lost": sorted(state.lost),
+        "base_generation": state.base_generation,
     }
 
 
@@ -59,6 +61,7 @@ def state_from_dict(d: dict[str, Any]) -> JobState:
         ranks=list(d["ranks"]),
         spares=list(d["spares"]),
         lost=set(d["lost"]),
+        base_generation=int(d.get("base_generation", 0)),
     )
 
 

@@ -52,7 +52,9 @@ from phalanx.schemas import (
     RankHung,
     Registered,
     Role,
+    decode,
     encode,
+    headers_for,
 )
 from phalanx.service import Service
 
@@ -130,7 +132,8 @@ class ElasticityPlanner(Service):
         current = self.jobs.get(msg.job)
         if current is not None and current.spec == msg:
             return  # redelivery
-        self.jobs[msg.job] = JobState(spec=msg)
+        # A new launch of a job continues its generations: they only move forward.
+        self.jobs[msg.job] = JobState(spec=msg, base_generation=await self._committed_generation(msg.job))
         await self._save(self.jobs[msg.job])
         self.log.info("job_spec", job=msg.job, world_size=msg.world_size, workers=len(msg.workers))
         for reg in self._early.pop(msg.job, []):
@@ -223,6 +226,7 @@ class ElasticityPlanner(Service):
                 incident=incident,
                 reason=d.reason,
                 store_prefix=f"{job}/gen{state.generation + 1}",
+                launch=state.spec.launch,
             )
             await self._commit(plan)
             state.plan = plan
@@ -245,6 +249,13 @@ class ElasticityPlanner(Service):
             job=job,
             msg_id=f"{job}:decision:{incident or 'start'}",
         )
+
+    async def _committed_generation(self, job: str) -> int:
+        try:
+            entry = await self.kv.get(f"{job}.plan")
+        except Exception:  # no plan committed for this job yet
+            return 0
+        return decode(entry.value, headers_for(Plan), Plan).generation if entry.value else 0
 
     async def _commit(self, plan: Plan) -> None:
         """Compare-and-set the job's plan in KV, then publish it."""

@@ -65,7 +65,7 @@ async def planner(url: str) -> AsyncIterator[None]:
         await task
 
 
-async def start_job(bus: Bus, ranks: int = 3, spares: int = 1) -> None:
+async def start_job(bus: Bus, ranks: int = 3, spares: int = 1, launch: str = "a") -> None:
     workers = [f"w{i}" for i in range(ranks + spares)]
     spec = JobSpec(
         job=JOB,
@@ -74,13 +74,14 @@ async def start_job(bus: Bus, ranks: int = 3, spares: int = 1) -> None:
         max_world_size=ranks,
         global_batch=12,
         workers=workers,
+        launch=launch,
     )
-    await bus.publish(JOB_SPEC, spec, job=JOB, msg_id="spec-1")
+    await bus.publish(JOB_SPEC, spec, job=JOB, msg_id=f"spec-{launch}")
     for i, w in enumerate(workers):
         reg = Registered(
             job=JOB, worker=w, role=Role.RANK if i < ranks else Role.SPARE, host="h", pid=100 + i
         )
-        await bus.publish(REGISTERED, reg, job=JOB, msg_id=f"reg-{w}")
+        await bus.publish(REGISTERED, reg, job=JOB, msg_id=f"reg-{launch}-{w}")
 
 
 def failed(worker: str, rank: int, generation: int = 1, pid: int = 101) -> RankFailed:
@@ -175,3 +176,16 @@ async def test_fault_of_an_unknown_job_changes_nothing(nats_url: str, bus: Bus, 
         await watcher.wait_for(lambda: len(watcher.plans) == 2)
     assert watcher.plans[1].rank_of("w3") == 2
     assert all(d.job == JOB for d in watcher.decisions)
+
+
+async def test_a_relaunch_continues_the_generations(nats_url: str, bus: Bus, watcher: Watcher) -> None:
+    async with planner(nats_url):
+        await start_job(bus, launch="first")
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        await start_job(bus, launch="second")  # the same job name, launched again
+        await watcher.wait_for(lambda: len(watcher.plans) == 2)
+    first, second = watcher.plans
+    assert (first.launch, first.generation) == ("first", 1)
+    # Ranks of the second launch ignore the first launch's plan (another launch id),
+    # and the job's generation still only moves forward.
+    assert (second.launch, second.generation) == ("second", 2)

@@ -63,8 +63,10 @@ class Agent:
         url: str | None = None,
         heartbeat_s: float | None = None,
         incarnation: int = 0,
+        launch: str = "",
     ) -> None:
         self.status = status
+        self.launch = launch
         self.role = role
         self.url = url
         self.incarnation = incarnation
@@ -151,8 +153,8 @@ class Agent:
         self._offer(plan, received, raw.headers or {})
 
     def _offer(self, plan: Plan, received: float, headers: dict[str, str]) -> None:
-        if plan.job != self.status.job:
-            return
+        if plan.job != self.status.job or plan.launch != self.launch:
+            return  # another job, or a plan an earlier launch of this job left in KV
         with self._cond:
             if self._latest is not None and plan.generation <= self._latest.plan.generation:
                 return  # stale or duplicate: fenced

@@ -74,7 +74,7 @@ def init() -> Job:
     setup_logging(f"rank-{worker}")
     setup_tracing("phalanx-rank")
     status = RankStatus(job=job, worker=worker)
-    agent = Agent(status, role).start()
+    agent = Agent(status, role, launch=os.environ.get("PHALANX_LAUNCH", "")).start()
     store = connect_store(_need("PHALANX_STORE_ADDR"))
     get_logger(component="runtime").info("worker_ready", job=job, worker=worker, role=role.value)
     return Job(job, worker, role, status, agent, store, faults)

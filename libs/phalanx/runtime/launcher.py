@@ -26,6 +26,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,7 +36,7 @@ from nats.aio.msg import Msg
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-from phalanx.bus import JOBS_BUCKET, Bus
+from phalanx.bus import Bus
 from phalanx.bus.subjects import DECISION, EXITED, JOB_SPEC, PLAN
 from phalanx.schemas import Action, JobSpec, Plan, PlanDecision, RankExited, Role, decode
 from phalanx.telemetry import get_logger
@@ -82,6 +83,9 @@ class Launcher:
         self._done = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next_index = 0
+        # Plans of an earlier launch of the same job name stay in KV; ranks tell
+        # them apart by this id (and the planner only ever moves generations up).
+        self.launch = uuid.uuid4().hex[:12]
 
     # -- start -------------------------------------------------------------------
     async def start(self) -> None:
@@ -102,14 +106,9 @@ class Launcher:
             max_world_size=cfg.max_nproc or cfg.nproc,
             global_batch=cfg.global_batch,
             workers=names,
+            launch=self.launch,
         )
-        # A fresh job: forget any plan a previous job of the same name left.
-        kv = await bus.js.key_value(JOBS_BUCKET)
-        with contextlib.suppress(Exception):
-            await kv.purge(f"{self.job}.plan")
-        await bus.publish(
-            JOB_SPEC, spec, job=self.job, msg_id=f"{self.job}:spec:{os.getpid()}:{time.time_ns()}"
-        )
+        await bus.publish(JOB_SPEC, spec, job=self.job, msg_id=f"{self.job}:spec:{self.launch}")
         for i, name in enumerate(names):
             self.spawn(name, Role.RANK if i < cfg.nproc else Role.SPARE)
 
@@ -127,8 +126,15 @@ class Launcher:
             "PHALANX_WORKER": name,
             "PHALANX_ROLE": role.value,
             "PHALANX_STORE_ADDR": self.store_addr,
+            "PHALANX_LAUNCH": self.launch,
             "PYTHONUNBUFFERED": "1",
         }
+        # With NATS authorization on, ranks log in as the rank role, never with the
+        # launcher's own credentials (which may publish exits and job specs).
+        rank_user = env.pop("PHALANX_NATS_RANK_USER", None)
+        rank_password = env.pop("PHALANX_NATS_RANK_PASSWORD", None)
+        if rank_user:
+            env["PHALANX_NATS_USER"], env["PHALANX_NATS_PASSWORD"] = rank_user, rank_password or ""
         if cfg.nats_url:
             env["NATS_URL"] = cfg.nats_url
         out: int | None = None
@@ -188,7 +194,7 @@ class Launcher:
         except Exception as exc:
             self.log.error("bad_plan", error=repr(exc))
             return
-        if self.plan is not None and plan.generation <= self.plan.generation:
+        if plan.launch != self.launch or (self.plan is not None and plan.generation <= self.plan.generation):
             return
         self.plan = plan
         for name in plan.removed:

@@ -121,6 +121,7 @@ class JobSpec(JobMessage):
     max_world_size: int = Field(ge=1)
     global_batch: int = Field(ge=1)
     workers: list[WorkerId]
+    launch: str = Field(default="", max_length=64, description="Id of this launch of the job.")
 
     @model_validator(mode="after")
     def _sizes(self) -> JobSpec:
@@ -148,6 +149,7 @@ class Plan(JobMessage):
     incident: str | None = None
     reason: str
     store_prefix: str = Field(description="Rendezvous prefix, unique per generation.")
+    launch: str = Field(default="", max_length=64, description="The launch this plan belongs to.")
 
     @model_validator(mode="after")
     def _dense(self) -> Plan:
