@@ -46,8 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=str(DEFAULT_OUT))
-    p.add_argument("--prepare-ahead", type=int, default=2,
-                   help="prepare this rank's next N shards in shared memory, for a replacement on this node")
+    p.add_argument(
+        "--prepare-ahead",
+        type=int,
+        default=2,
+        help="prepare this rank's next N shards in shared memory, for a replacement on this node",
+    )
     p.add_argument("--save", help="rank 0 writes the final state_dict here")
     p.add_argument("--steps-log", help="rank 0 appends one JSON line per completed step")
     return p.parse_args(argv)
