@@ -38,6 +38,7 @@ from bench.baseline.plain_ddp import measure_step_time
 from bench.baseline.run import run_trial
 from examples.corpus import DEFAULT_OUT, build_corpus
 from examples.gpt import GPT
+from examples.train_gpt import command as train_command
 from phalanx.localstack import LocalStack
 from phalanx.tracesummary import PHASES, _from_file, incidents
 
@@ -66,17 +67,7 @@ def phalanx_trial(
     job = f"bench{i}-{int(time.time())}"
     fault_log, steps_log = work / f"{job}.faults", work / f"{job}.steps"
     victim = f"w{1 + i % (nproc - 1)}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "examples.train_gpt",
-        "--steps",
-        str(steps),
-        "--data",
-        str(corpus),
-        "--steps-log",
-        str(steps_log),
-    ]
+    cmd = train_command(steps, corpus, steps_log=steps_log)
     result = stack.run_job(
         job,
         cmd,
@@ -116,17 +107,7 @@ def phalanx_steady(
 ) -> list[float]:
     job = f"steady-{int(time.time() * 1000)}"
     steps_log = work / f"{job}.steps"
-    cmd = [
-        sys.executable,
-        "-m",
-        "examples.train_gpt",
-        "--steps",
-        str(steps),
-        "--data",
-        str(corpus),
-        "--steps-log",
-        str(steps_log),
-    ]
+    cmd = train_command(steps, corpus, steps_log=steps_log)
     result = stack.run_job(job, cmd, nproc=nproc)
     if result.returncode != 0:
         raise RuntimeError(f"steady run failed: {result.decisions}")

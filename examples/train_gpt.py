@@ -28,6 +28,22 @@ from phalanx.runtime.job import init
 from phalanx.runtime.trainer import Trainer
 
 
+def command(
+    steps: int,
+    data: str | os.PathLike[str],
+    *extra: str,
+    save: str | os.PathLike[str] | None = None,
+    steps_log: str | os.PathLike[str] | None = None,
+) -> list[str]:
+    """The command line that runs this script (what ``phalanx run -- ...`` is given)."""
+    cmd = [sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), "--data", str(data)]
+    if save is not None:
+        cmd += ["--save", str(save)]
+    if steps_log is not None:
+        cmd += ["--steps-log", str(steps_log)]
+    return [*cmd, *extra]
+
+
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits, _ = model(x)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))

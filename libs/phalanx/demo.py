@@ -30,22 +30,6 @@ def _say(msg: str = "") -> None:
     print(msg, flush=True)
 
 
-def _train_cmd(steps: int, corpus: Path, save: Path, steps_log: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "examples.train_gpt",
-        "--steps",
-        str(steps),
-        "--data",
-        str(corpus),
-        "--save",
-        str(save),
-        "--steps-log",
-        str(steps_log),
-    ]
-
-
 def _report(result: JobResult, fault_log: Path, steps_log: Path, span_file: Path) -> None:
     faults = [json.loads(x) for x in fault_log.read_text().splitlines()] if fault_log.exists() else []
     steps = [json.loads(x) for x in steps_log.read_text().splitlines()] if steps_log.exists() else []
@@ -96,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default="kill:w2@step=12,stop:w1@step=26")
     args = ap.parse_args(argv)
     from examples.corpus import DEFAULT_OUT, build_corpus
+    from examples.train_gpt import command as train_command
 
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
@@ -113,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
         spares = args.faults.count(":")
         _say(f"\n[1/2] fault-free reference: {args.nproc} ranks, {args.steps} steps")
         ref = stack.run_job(
-            "demo-ref", _train_cmd(args.steps, corpus, work / "ref.pt", work / "ref.steps"), nproc=args.nproc
+            "demo-ref",
+            train_command(args.steps, corpus, save=work / "ref.pt", steps_log=work / "ref.steps"),
+            nproc=args.nproc,
         )
         _say(f"      exit {ref.returncode} in {ref.wall_s:.1f} s")
         _say(f"\n[2/2] the same job with {spares} hot spares and faults {args.faults}")
         run = stack.run_job(
             "demo-faults",
-            _train_cmd(args.steps, corpus, work / "run.pt", work / "run.steps"),
+            train_command(args.steps, corpus, save=work / "run.pt", steps_log=work / "run.steps"),
             nproc=args.nproc,
             spares=spares,
             faults=args.faults,

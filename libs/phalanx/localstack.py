@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from nats.aio.msg import Msg
 
@@ -165,30 +166,9 @@ class LocalStack:
         self.stop()
 
     # -- jobs ---------------------------------------------------------------------
-    def run_job(
-        self,
-        job: str,
-        cmd: list[str],
-        *,
-        nproc: int,
-        spares: int = 0,
-        faults: str = "",
-        global_batch: int = 16,
-        timeout_s: float = 300.0,
-        env: dict[str, str] | None = None,
-    ) -> JobResult:
-        return asyncio.run(
-            self.run_job_async(
-                job,
-                cmd,
-                nproc=nproc,
-                spares=spares,
-                faults=faults,
-                global_batch=global_batch,
-                timeout_s=timeout_s,
-                env=env,
-            )
-        )
+    def run_job(self, job: str, cmd: list[str], **kwargs: Any) -> JobResult:
+        """Run a job to its end; the arguments are :meth:`run_job_async`'s."""
+        return asyncio.run(self.run_job_async(job, cmd, **kwargs))
 
     async def run_job_async(
         self,

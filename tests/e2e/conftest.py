@@ -4,13 +4,13 @@ of the example GPT under the launcher."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from examples.train_gpt import command as train_command
 from phalanx.localstack import JobResult, LocalStack
 
 STEPS = 16
@@ -64,18 +64,7 @@ def run_job(stack: LocalStack, corpus: Path, tmp_path_factory: pytest.TempPathFa
     ) -> tuple[JobResult, dict[str, torch.Tensor] | None]:
         job = f"e2e{next(counter)}"
         save = out / f"{job}.pt"
-        cmd = [
-            sys.executable,
-            "-m",
-            "examples.train_gpt",
-            "--steps",
-            str(steps),
-            "--data",
-            str(corpus),
-            "--save",
-            str(save),
-            *SMALL_GPT,
-        ]
+        cmd = train_command(steps, corpus, *SMALL_GPT, save=save)
         result = stack.run_job(
             job, cmd, nproc=nproc, spares=spares, faults=faults, global_batch=12, timeout_s=timeout_s
         )

@@ -7,10 +7,12 @@ data shards are unchanged), having read no checkpoint.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from phalanx.localstack import JobResult
+from phalanx.localstack import JobResult, LocalStack
 from phalanx.schemas import Action, FaultCause, RankHung
 from tests.e2e.conftest import STEPS, Reference, RunJob
 
@@ -38,7 +40,7 @@ def assert_recovered(result: JobResult, generation: int, nproc: int = 3) -> None
 
 
 @pytest.mark.parametrize("nproc", [3, 4])
-def test_sigkill_one_rank(run_job: RunJob, reference: Reference, nproc: int) -> None:
+def test_sigkill_one_rank(run_job: RunJob, reference: Reference, stack: LocalStack, nproc: int) -> None:
     # With 4 ranks, rank 3 is no ring neighbour of rank 1: it is released only by
     # the cascade (survivors dropping their groups), not by the dead peer's socket.
     result, weights = run_job(nproc=nproc, spares=1, faults="kill:w1@step=5")
@@ -49,6 +51,14 @@ def test_sigkill_one_rank(run_job: RunJob, reference: Reference, nproc: int) -> 
     assert_recovered(result, generation=2, nproc=nproc)
     joiner = next(r for r in result.recoveries if r.worker == spare)
     assert joiner.step == 6  # step 5 was in flight: redone, nothing else lost
+    # Survivors redo step 5 with the gradients they already had; the joiner computes.
+    spans = [json.loads(line) for line in stack.span_file.read_text().splitlines()]
+    first = {
+        s["attributes"]["phalanx.worker"]: s["attributes"]["phalanx.reused_gradients"]
+        for s in spans
+        if s["name"] == "first_step" and s["attributes"].get("phalanx.incident") == result.faults[0].incident
+    }
+    assert first == {m.worker: m.worker != spare for m in result.plans[-1].members}
     assert_bitwise_equal(weights, reference(nproc))
 
 

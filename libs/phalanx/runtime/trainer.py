@@ -27,7 +27,9 @@ does not exit. Recovery, each phase timed and traced in the incident's trace:
    rank sends model, optimizer, RNG and data position (CRC-checked) to every
    member behind it -- the joiner, and any survivor that missed the last update;
 5. ``data_restore``: the next global batch's slice for this rank is prepared;
-6. ``first_step``: the step in flight is redone.
+6. ``first_step``: the step in flight is redone. Survivors still hold their own
+   gradients of it (copied aside before each all-reduce, which works in place),
+   so only the joiner runs forward/backward; the others wait in the all-reduce.
 
 Per-step randomness is re-seeded from ``(seed, step, rank)``, so a joiner draws
 exactly what the rank it replaces would have drawn.
@@ -81,6 +83,7 @@ class _Recovery:
     context: otel_context.Context | None = None
     bytes_received: int = 0
     role: str = "survivor"
+    reused_grads: bool = False
 
     def mark(self, phase: str, start: float) -> float:
         end = time.time()
@@ -118,6 +121,7 @@ class Trainer:
         rendezvous_timeout_s: float = 60.0,
         plan_timeout_s: float = 120.0,
         on_step: Callable[[int, float], None] | None = None,
+        reuse_local_grads: bool = True,
     ) -> None:
         if global_batch < 1:
             raise ValueError("global_batch must be >= 1")
@@ -143,6 +147,12 @@ class Trainer:
         self._seen = 0  # newest generation looked at (a spare skips plans that leave it out)
         self._has_state = False
         self._prefetched: tuple[int, list[Batch]] | None = None
+        # This rank's own gradients of the step in flight, kept until its all-reduce
+        # succeeds: a survivor redoing that step after a recovery skips its
+        # forward/backward, so the joiner computes alone (1% of a step to copy).
+        self.reuse_local_grads = reuse_local_grads
+        self._local_grads = torch.empty_like(self.flat) if reuse_local_grads else self.flat
+        self._local_key: tuple[int, int, int] | None = None
         self._pending: _Recovery | None = None
 
     # -- state that moves to a joiner ------------------------------------------------
@@ -162,6 +172,7 @@ class Trainer:
             raise RecoveryError(
                 f"data position mismatch: got {state['data']}, expected {self.data_state(step)}"
             )
+        self._local_key = None  # the weights change: kept gradients no longer apply
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"].clone())  # a view into the buffer segfaults
@@ -242,15 +253,28 @@ class Trainer:
         t0, wall0 = time.perf_counter(), time.time()
         status.enter(Phase.COMPUTE)
         torch.manual_seed(step_seed(self.seed, self.step, self.rank))
-        self.flat.zero_()
         for p, v in zip(self.params, self._views, strict=True):
             p.grad = v
-        for x, y in self._micro_batches():
-            loss = self.loss_fn(self.model, x, y) * (x.shape[0] / self.global_batch)
-            loss.backward()
-        self.job.faults.fire(self.job.worker, "step", self.step)
+        key = (self.step, self.world_size, self.rank)
+        if self._local_key == key:
+            # Redoing the step a failed all-reduce interrupted, with unchanged weights,
+            # data shard and seed: this rank's gradients are the ones it already had.
+            self.flat.copy_(self._local_grads)
+            if self._pending is not None:
+                self._pending.reused_grads = True
+        else:
+            self.flat.zero_()
+            for x, y in self._micro_batches():
+                loss = self.loss_fn(self.model, x, y) * (x.shape[0] / self.global_batch)
+                loss.backward()
+            self.job.faults.fire(self.job.worker, "step", self.step)
+            if self.reuse_local_grads:
+                self._local_grads.copy_(self.flat)  # the all-reduce works in place
+                self._local_key = key
+        self._prefetched = None
         status.enter(Phase.COLLECTIVE)
         comm.allreduce_sum_(self.flat, self.collective_timeout_s)
+        self._local_key = None
         status.enter(Phase.COMPUTE)
         self.optimizer.step()
         self.step += 1
@@ -396,6 +420,7 @@ class Trainer:
                         "phalanx.role": rec.role,
                         "phalanx.step": self.step,
                         "phalanx.bytes_received": rec.bytes_received,
+                        "phalanx.reused_gradients": rec.reused_grads,
                     },
                 )
                 span.end(end_time=int(e * 1e9))
