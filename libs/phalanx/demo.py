@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from phalanx.localstack import JobResult, LocalStack
+from phalanx.telemetry import setup_logging
 from phalanx.tracesummary import _from_file, format_incident, incidents
 
 FAULT_NAMES = {"kill": "SIGKILL", "stop": "SIGSTOP (hang)", "stall": "stalled step", "exit": "exit 3"}
@@ -60,7 +61,7 @@ def _report(result: JobResult, fault_log: Path, steps_log: Path, span_file: Path
         _say(f"  plan       generation {plan.generation}: ranks {members}; fenced {plan.removed}")
         inc = traces.get(ev.incident)
         if inc is not None:
-            _say("  phases (from the incident's trace, ms after the fault):")
+            _say("  phases (from the incident's trace; ms after the fault time the detector inferred):")
             for line in format_incident(inc).splitlines()[1:]:
                 _say("    " + line)
         first = sorted((s for s in steps if s["generation"] == plan.generation), key=lambda s: s["step"])
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from examples.corpus import DEFAULT_OUT, build_corpus
     from examples.train_gpt import command as train_command
 
+    setup_logging("demo", level="WARNING")  # the story goes to stdout, warnings as JSON to stderr
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
