@@ -177,6 +177,7 @@ class LocalStack:
         *,
         nproc: int,
         spares: int = 0,
+        min_nproc: int | None = None,
         faults: str = "",
         global_batch: int = 16,
         timeout_s: float = 300.0,
@@ -207,6 +208,7 @@ class LocalStack:
                 nproc=nproc,
                 spares=spares,
                 global_batch=global_batch,
+                min_nproc=min_nproc,
                 nats_url=self.url,
                 env={
                     **{k: v for k, v in self.env.items() if k.startswith(("PHALANX_", "OTEL_"))},

@@ -90,7 +90,7 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     HEARTBEAT.pattern: (("rank",), ("failure-detector",)),
     REGISTERED.pattern: (("rank",), ("failure-detector", "elasticity-planner")),
     EXITED.pattern: (("launcher",), ("failure-detector", "elasticity-planner")),
-    COMM_ERROR.pattern: (("rank",), ("failure-detector",)),
+    COMM_ERROR.pattern: (("rank",), ("elasticity-planner",)),
     FAILED.pattern: (("failure-detector",), ("elasticity-planner",)),
     HUNG.pattern: (("failure-detector",), ("elasticity-planner",)),
     DECISION.pattern: (("elasticity-planner",), ("operator",)),

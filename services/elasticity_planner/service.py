@@ -18,12 +18,14 @@ follows it.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 from nats.aio.msg import Msg
 from nats.js.errors import KeyWrongLastSequenceError, NoKeysError
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
 from phalanx.services.elasticity_planner.policy import (
@@ -38,9 +40,10 @@ from phalanx.services.elasticity_planner.policy import (
 )
 
 from phalanx.bus import COMMANDS, EVENTS, JOBS_BUCKET, Bus
-from phalanx.bus.subjects import ACK, DECISION, EXITED, FAILED, HUNG, JOB_SPEC, PLAN, REGISTERED
+from phalanx.bus.subjects import ACK, COMM_ERROR, DECISION, EXITED, FAILED, HUNG, JOB_SPEC, PLAN, REGISTERED
 from phalanx.schemas import (
     Action,
+    CollectiveError,
     JobSpec,
     Member,
     Message,
@@ -56,9 +59,19 @@ from phalanx.schemas import (
     encode,
     headers_for,
 )
-from phalanx.service import Service
+from phalanx.service import Service, env_float
 
 _tracer = trace.get_tracer("phalanx.planner")
+
+
+_ENDED = (JobPhase.STOPPED, JobPhase.COMPLETED)
+
+
+@dataclass
+class _Broken:
+    first_at: float
+    timer: asyncio.TimerHandle
+    reporters: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,8 +90,14 @@ class ElasticityPlanner(Service):
         super().__init__(bus)
         self.policy: Policy = policy or ReplaceOrShrink()
         self.jobs: dict[str, JobState] = {}
-        self._early: dict[str, list[Registered]] = {}  # registrations before their job's spec
+        # registrations that came before their launch's job spec (two streams, no order)
+        self._early: dict[tuple[str, str], list[Registered]] = {}
         self._pending: dict[str, _Pending] = {}
+        self._broken: dict[tuple[str, int], _Broken] = {}  # collective errors awaiting a culprit
+        self.comm_grace_s = env_float("PHALANX_PLANNER_COMM_GRACE_S", 2.0)
+        # Handlers of the spec, events and comm-error consumers interleave at every
+        # await; one decision at a time keeps each job's state and generation consistent.
+        self._lock = asyncio.Lock()
         self.decisions = 0
 
     async def start(self) -> None:
@@ -93,6 +112,75 @@ class ElasticityPlanner(Service):
             (Registered, RankFailed, RankHung, PlanAck, RankExited),
             ack_wait_s=10.0,
         )
+        self.bus.consume(
+            EVENTS, "planner-comm-errors", [COMM_ERROR.wildcard()], self._on_comm_error, (CollectiveError,)
+        )
+
+    async def stop(self) -> None:
+        for b in self._broken.values():
+            b.timer.cancel()
+
+    # -- a broken group with nobody to blame ----------------------------------------------
+    async def _on_comm_error(self, msg: Message, raw: Msg) -> None:
+        async with self._lock:
+            await self._on_comm_error_locked(msg)
+
+    async def _on_comm_error_locked(self, msg: Message) -> None:
+        """Ranks report failed collectives. Usually a crash or hang explains them and
+        its fault arrives within milliseconds; if none has moved the job past that
+        generation within ``comm_grace_s`` (every member is alive: a network blip,
+        a timed-out collective), the same members re-form in a new generation."""
+        assert isinstance(msg, CollectiveError)
+        state = self.jobs.get(msg.job)
+        if state is None or msg.generation != state.generation or state.phase in _ENDED:
+            return
+        key = (msg.job, msg.generation)
+        broken = self._broken.get(key)
+        if broken is None:
+            timer = asyncio.get_running_loop().call_later(
+                self.comm_grace_s, lambda: asyncio.ensure_future(self._reform(key))
+            )
+            broken = self._broken[key] = _Broken(first_at=msg.ts, timer=timer)
+        broken.reporters[msg.worker] = msg.error
+
+    async def _reform(self, key: tuple[str, int]) -> None:
+        async with self._lock:
+            await self._reform_locked(key)
+
+    async def _reform_locked(self, key: tuple[str, int]) -> None:
+        broken = self._broken.pop(key)
+        job, generation = key
+        state = self.jobs.get(job)
+        if state is None or state.generation != generation or state.phase in _ENDED or state.plan is None:
+            return  # a fault explained it and was planned, or the job ended
+        reporters = sorted(broken.reporters)
+        incident = f"{job}:gen{generation}:collective"
+        # No fault event opened this incident's trace: its detection is the grace itself.
+        with (
+            _tracer.start_as_current_span(
+                "detect",
+                context=otel_context.Context(),
+                start_time=int(broken.first_at * 1e9),
+                attributes={
+                    "phalanx.job": job,
+                    "phalanx.incident": incident,
+                    "phalanx.cause": "collective_error",
+                    "phalanx.generation": generation,
+                    "phalanx.evidence.reporters": ",".join(reporters),
+                    "phalanx.evidence.error": next(iter(broken.reporters.values()))[:300],
+                },
+            ),
+            _tracer.start_as_current_span(
+                "plan", attributes={"phalanx.job": job, "phalanx.incident": incident}
+            ),
+        ):
+            decision = Decision(
+                Action.REFORM,
+                f"collectives of generation {generation} failed on {reporters} and no rank was found dead "
+                f"or hung within {self.comm_grace_s:g}s: the same members re-form",
+                members=list(state.plan.members),
+            )
+            await self._apply(state, incident, decision)
 
     # -- persistence -----------------------------------------------------------------
     async def _save(self, state: JobState) -> None:
@@ -128,6 +216,10 @@ class ElasticityPlanner(Service):
 
     # -- inputs ------------------------------------------------------------------
     async def _on_command(self, msg: Message, raw: Msg) -> None:
+        async with self._lock:
+            await self._on_command_locked(msg)
+
+    async def _on_command_locked(self, msg: Message) -> None:
         assert isinstance(msg, JobSpec)
         current = self.jobs.get(msg.job)
         if current is not None and current.spec == msg:
@@ -136,10 +228,14 @@ class ElasticityPlanner(Service):
         self.jobs[msg.job] = JobState(spec=msg, base_generation=await self._committed_generation(msg.job))
         await self._save(self.jobs[msg.job])
         self.log.info("job_spec", job=msg.job, world_size=msg.world_size, workers=len(msg.workers))
-        for reg in self._early.pop(msg.job, []):
+        for reg in self._early.pop((msg.job, msg.launch), []):
             await self._on_registered(reg)
 
     async def _on_event(self, msg: Message, raw: Msg) -> None:
+        async with self._lock:
+            await self._on_event_locked(msg)
+
+    async def _on_event_locked(self, msg: Message) -> None:
         if isinstance(msg, Registered):
             await self._on_registered(msg)
         elif isinstance(msg, RankFailed | RankHung):
@@ -154,8 +250,8 @@ class ElasticityPlanner(Service):
 
     async def _on_registered(self, reg: Registered) -> None:
         state = self.jobs.get(reg.job)
-        if state is None:
-            self._early.setdefault(reg.job, []).append(reg)
+        if state is None or state.spec.launch != reg.launch:
+            self._early.setdefault((reg.job, reg.launch), []).append(reg)
             return
         if reg.worker not in state.spec.workers:
             self.log.warning("unknown_worker", job=reg.job, worker=reg.worker)

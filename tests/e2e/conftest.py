@@ -42,6 +42,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     env = {
         "PHALANX_STALL_FLOOR_MS": "1500",
         "PHALANX_STALL_INITIAL_MS": "10000",
+        "PHALANX_PLANNER_COMM_GRACE_S": "1.0",
         # data order and prepared shards in the test's own directory, not /dev/shm
         "PHALANX_DATA_CACHE_DIR": str(tmp_path_factory.mktemp("datacache")),
     }
@@ -60,13 +61,26 @@ def run_job(stack: LocalStack, corpus: Path, tmp_path_factory: pytest.TempPathFa
     counter = iter(range(1_000_000))
 
     def run(
-        *, nproc: int = 3, spares: int = 0, faults: str = "", steps: int = STEPS, timeout_s: float = 180.0
+        *,
+        nproc: int = 3,
+        spares: int = 0,
+        faults: str = "",
+        steps: int = STEPS,
+        timeout_s: float = 180.0,
+        min_nproc: int | None = None,
     ) -> tuple[JobResult, dict[str, torch.Tensor] | None]:
         job = f"e2e{next(counter)}"
         save = out / f"{job}.pt"
         cmd = train_command(steps, corpus, *SMALL_GPT, save=save)
         result = stack.run_job(
-            job, cmd, nproc=nproc, spares=spares, faults=faults, global_batch=12, timeout_s=timeout_s
+            job,
+            cmd,
+            nproc=nproc,
+            spares=spares,
+            faults=faults,
+            global_batch=12,
+            timeout_s=timeout_s,
+            min_nproc=min_nproc,
         )
         weights = torch.load(save) if save.exists() else None
         return result, weights

@@ -111,3 +111,30 @@ def test_no_spare_left_stops_with_a_clear_decision(run_job: RunJob) -> None:
     stop = [d for d in result.decisions if d.action is Action.STOP]
     assert len(stop) == 1 and "no spare left" in stop[0].reason and "min_world_size" in stop[0].reason
     assert weights is None
+
+
+def test_no_spare_but_room_to_shrink(run_job: RunJob, reference: Reference) -> None:
+    # min_world_size 2: the planner shrinks 3 -> 2 ranks with the global batch held
+    # at 12 (6 samples per rank instead of 4). Reduction order changes, so the
+    # weights match the fault-free run within float tolerance, not bitwise.
+    result, weights = run_job(spares=0, faults="kill:w1@step=5", min_nproc=2)
+    assert actions(result) == [Action.START, Action.SHRINK]
+    final = result.plans[-1]
+    assert [(m.rank, m.worker) for m in final.members] == [(0, "w0"), (1, "w2")]
+    assert_recovered(result, generation=2, nproc=2)
+    assert weights is not None
+    ref = reference(3)
+    worst = max(float((weights[k] - ref[k]).abs().max()) for k in ref)
+    assert all(torch.allclose(weights[k], ref[k], rtol=1e-3, atol=1e-4) for k in ref), worst
+
+
+def test_broken_group_with_every_rank_alive_reforms(run_job: RunJob, reference: Reference) -> None:
+    # w1 drops its communicator in step 5, as a network failure would: every
+    # collective fails, nobody dies, no detector verdict comes. After the
+    # planner's grace the same members re-form a new generation and go on.
+    result, weights = run_job(spares=1, faults="break:w1@step=5")
+    assert actions(result) == [Action.START, Action.REFORM]
+    assert result.faults == []
+    assert result.plans[-1].members == result.plans[0].members
+    assert_recovered(result, generation=2)
+    assert_bitwise_equal(weights, reference(3))

@@ -13,9 +13,10 @@ from nats.aio.msg import Msg
 from phalanx.services.elasticity_planner.service import ElasticityPlanner
 
 from phalanx.bus import JOBS_BUCKET, Bus
-from phalanx.bus.subjects import DECISION, FAILED, HUNG, JOB_SPEC, PLAN, REGISTERED
+from phalanx.bus.subjects import COMM_ERROR, DECISION, FAILED, HUNG, JOB_SPEC, PLAN, REGISTERED
 from phalanx.schemas import (
     Action,
+    CollectiveError,
     FaultCause,
     JobSpec,
     Plan,
@@ -79,7 +80,12 @@ async def start_job(bus: Bus, ranks: int = 3, spares: int = 1, launch: str = "a"
     await bus.publish(JOB_SPEC, spec, job=JOB, msg_id=f"spec-{launch}")
     for i, w in enumerate(workers):
         reg = Registered(
-            job=JOB, worker=w, role=Role.RANK if i < ranks else Role.SPARE, host="h", pid=100 + i
+            job=JOB,
+            worker=w,
+            role=Role.RANK if i < ranks else Role.SPARE,
+            host="h",
+            pid=100 + i,
+            launch=launch,
         )
         await bus.publish(REGISTERED, reg, job=JOB, msg_id=f"reg-{launch}-{w}")
 
@@ -189,3 +195,46 @@ async def test_a_relaunch_continues_the_generations(nats_url: str, bus: Bus, wat
     # Ranks of the second launch ignore the first launch's plan (another launch id),
     # and the job's generation still only moves forward.
     assert (second.launch, second.generation) == ("second", 2)
+
+
+async def test_a_broken_group_with_nobody_dead_reforms(
+    nats_url: str, bus: Bus, watcher: Watcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PHALANX_PLANNER_COMM_GRACE_S", "0.3")
+    async with planner(nats_url):
+        await start_job(bus)
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        for w, r in (("w0", 0), ("w2", 2)):
+            err = CollectiveError(
+                job=JOB, worker=w, rank=r, generation=1, step=4, error="Connection reset by peer"
+            )
+            await bus.publish(COMM_ERROR, err, job=JOB)
+        await watcher.wait_for(lambda: len(watcher.plans) == 2)
+    reform = watcher.plans[1]
+    assert reform.generation == 2 and reform.removed == []
+    assert reform.members == watcher.plans[0].members
+    decision = next(d for d in watcher.decisions if d.action is Action.REFORM)
+    assert "['w0', 'w2']" in decision.reason and decision.generation == 2
+
+
+async def test_a_crash_explains_the_collective_errors(
+    nats_url: str, bus: Bus, watcher: Watcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PHALANX_PLANNER_COMM_GRACE_S", "0.3")
+    async with planner(nats_url):
+        await start_job(bus)
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        err = CollectiveError(
+            job=JOB, worker="w0", rank=0, generation=1, step=4, error="Connection closed by peer"
+        )
+        await bus.publish(COMM_ERROR, err, job=JOB)
+        event = failed("w1", 1)
+        await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
+        await watcher.wait_for(lambda: len(watcher.plans) == 2)
+        # Past the grace: the errors of generation 1 were explained, no re-form follows.
+        probe = failed("w9", 9, pid=999)  # not a member: answered by a HOLD decision
+        await asyncio.sleep(0.6)
+        await bus.publish(FAILED, probe, job=JOB, msg_id=probe.incident)
+        await watcher.wait_for(lambda: any(d.incident == probe.incident for d in watcher.decisions))
+    assert [p.generation for p in watcher.plans] == [1, 2]
+    assert Action.REFORM not in [d.action for d in watcher.decisions]

@@ -108,6 +108,7 @@ class Agent:
                 host=self.status.host,
                 pid=os.getpid(),
                 incarnation=self.incarnation,
+                launch=self.launch,
             ),
             job=self.status.job,
             msg_id=f"{self.status.job}:{self.status.worker}:{os.getpid()}:registered",

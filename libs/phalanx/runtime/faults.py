@@ -4,7 +4,9 @@ A comma-separated list of ``action:worker@point``:
 
 - actions: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: a hang with
   silent heartbeats), ``stall`` (the training thread blocks forever while the
-  heartbeats go on), ``exit`` (exit code 3);
+  heartbeats go on), ``exit`` (exit code 3), ``break`` (the worker drops its
+  communicator as if the network had failed: every rank's collective fails,
+  nobody dies; only at ``step=N``);
 - points: ``step=N`` (in step N, after the backward pass and before the
   gradient all-reduce, so peers are left blocked in the collective) or
   ``recovery=G`` (as the worker starts building generation G's communicator).
@@ -26,9 +28,9 @@ import re
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-_ENTRY = re.compile(r"^(kill|stop|stall|exit):([A-Za-z0-9_-]+)@(step|recovery)=(\d+)$")
+_ENTRY = re.compile(r"^(kill|stop|stall|exit|break):([A-Za-z0-9_-]+)@(step|recovery)=(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Fault:
 @dataclass(frozen=True)
 class FaultPlan:
     faults: tuple[Fault, ...] = ()
+    _fired: set[Fault] = field(default_factory=set, compare=False, repr=False)
 
     @classmethod
     def parse(cls, spec: str) -> FaultPlan:
@@ -57,11 +60,19 @@ class FaultPlan:
     def from_env(cls) -> FaultPlan:
         return cls.parse(os.environ.get("PHALANX_FAULTS", ""))
 
-    def fire(self, worker: str, point: str, value: int) -> None:
+    def fire(self, worker: str, point: str, value: int) -> bool:
+        """Strike the faults set for this point; True when one is ``break``, which
+        the caller carries out (it owns the communicator)."""
+        broke = False
         for f in self.faults:
-            if f.worker == worker and f.point == point and f.value == value:
+            if f.worker == worker and f.point == point and f.value == value and f not in self._fired:
+                self._fired.add(f)  # each fault strikes once, also when its step is redone
                 _log(f)
-                _do(f.action)
+                if f.action == "break":
+                    broke = True
+                else:
+                    _do(f.action)
+        return broke
 
 
 def _log(f: Fault) -> None:

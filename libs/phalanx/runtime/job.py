@@ -13,6 +13,7 @@ plans) and connects to the job's rendezvous store.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -77,4 +78,21 @@ def init() -> Job:
     agent = Agent(status, role, launch=os.environ.get("PHALANX_LAUNCH", "")).start()
     store = connect_store(_need("PHALANX_STORE_ADDR"))
     get_logger(component="runtime").info("worker_ready", job=job, worker=worker, role=role.value)
-    return Job(job, worker, role, status, agent, store, faults)
+    result = Job(job, worker, role, status, agent, store, faults)
+    _leave_quietly_on_sigterm(result)
+    return result
+
+
+def _leave_quietly_on_sigterm(job: Job) -> None:
+    """SIGTERM to a worker that is no member (a spare the launcher releases at the
+    end of a job): say goodbye and exit 0, so that no fault is reported. A member
+    dies of it as usual, which the launcher reports and the planner handles."""
+
+    def handler(signum: int, frame: object) -> None:
+        if job.status.rank < 0:
+            job.close()
+            os._exit(0)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)

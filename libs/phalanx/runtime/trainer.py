@@ -267,10 +267,12 @@ class Trainer:
             for x, y in self._micro_batches():
                 loss = self.loss_fn(self.model, x, y) * (x.shape[0] / self.global_batch)
                 loss.backward()
-            self.job.faults.fire(self.job.worker, "step", self.step)
             if self.reuse_local_grads:
                 self._local_grads.copy_(self.flat)  # the all-reduce works in place
                 self._local_key = key
+            if self.job.faults.fire(self.job.worker, "step", self.step):
+                comm.destroy()
+                raise CommError(f"injected: {self.job.worker} broke its communicator in step {self.step}")
         self._prefetched = None
         status.enter(Phase.COLLECTIVE)
         comm.allreduce_sum_(self.flat, self.collective_timeout_s)

@@ -62,6 +62,7 @@ class Registered(JobMessage):
     host: str
     pid: int
     incarnation: int = Field(ge=0, default=0)
+    launch: str = Field(default="", max_length=64, description="The launch that started the worker.")
 
 
 class RankExited(JobMessage):
@@ -174,6 +175,7 @@ class Action(StrEnum):
     REPLACE = "replace"
     SHRINK = "shrink"
     GROW = "grow"
+    REFORM = "reform"  # same members, new generation: the group broke but nobody died
     HOLD = "hold"
     STOP = "stop"
 
