@@ -103,7 +103,7 @@ ROLES: dict[str, Role] = {
             "failure-detector",
             consumes=(EVENTS.name, COMMANDS.name),
             creates_topology=True,
-            description="turns heartbeats, exits and collective errors into failed/hung verdicts",
+            description="turns heartbeats and process exits into failed/hung verdicts",
         ),
         Role(
             LAUNCHER,
