@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
+import runpy
 import os
 import signal
 import sys
@@ -42,7 +42,7 @@ def _cmd_service(args: argparse.Namespace) -> int:
         print(f"unknown service {args.name!r}; one of {', '.join(SERVICES)}", file=sys.stderr)
         return 2
     sys.argv = [SERVICES[args.name]]
-    importlib.import_module(SERVICES[args.name] + ".__main__")
+    runpy.run_module(SERVICES[args.name], run_name="__main__", alter_sys=True)
     return 0
 
 

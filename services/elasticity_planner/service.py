@@ -174,13 +174,26 @@ class ElasticityPlanner(Service):
                 "plan", attributes={"phalanx.job": job, "phalanx.incident": incident}
             ),
         ):
-            decision = Decision(
-                Action.REFORM,
-                f"collectives of generation {generation} failed on {reporters} and no rank was found dead "
-                f"or hung within {self.comm_grace_s:g}s: the same members re-form",
-                members=list(state.plan.members),
-            )
-            await self._apply(state, incident, decision)
+            silent = [m.worker for m in state.plan.members if m.worker not in broken.reporters]
+            if not silent:
+                decision = Decision(
+                    Action.REFORM,
+                    f"collectives of generation {generation} failed on {reporters} and no rank was found "
+                    f"dead or hung within {self.comm_grace_s:g}s: the same members re-form",
+                    members=list(state.plan.members),
+                )
+                await self._apply(state, incident, decision)
+                return
+            # A member that did not report its collective failing while its peers did
+            # is dead, hung or cut off (and no detector said so, e.g. none is running):
+            # it is treated as lost, and fenced by the plan that replaces it.
+            for worker in silent:
+                cause = f"silent while {reporters} reported failed collectives for {self.comm_grace_s:g}s"
+                await self._apply(
+                    state,
+                    f"{incident}:{worker}",
+                    self.policy.on_fault(state, Fault(incident, worker, cause, hung=True)),
+                )
 
     # -- persistence -----------------------------------------------------------------
     async def _save(self, state: JobState) -> None:

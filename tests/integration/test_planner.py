@@ -204,7 +204,7 @@ async def test_a_broken_group_with_nobody_dead_reforms(
     async with planner(nats_url):
         await start_job(bus)
         await watcher.wait_for(lambda: len(watcher.plans) == 1)
-        for w, r in (("w0", 0), ("w2", 2)):
+        for w, r in (("w0", 0), ("w1", 1), ("w2", 2)):
             err = CollectiveError(
                 job=JOB, worker=w, rank=r, generation=1, step=4, error="Connection reset by peer"
             )
@@ -214,7 +214,7 @@ async def test_a_broken_group_with_nobody_dead_reforms(
     assert reform.generation == 2 and reform.removed == []
     assert reform.members == watcher.plans[0].members
     decision = next(d for d in watcher.decisions if d.action is Action.REFORM)
-    assert "['w0', 'w2']" in decision.reason and decision.generation == 2
+    assert "['w0', 'w1', 'w2']" in decision.reason and decision.generation == 2
 
 
 async def test_a_crash_explains_the_collective_errors(
@@ -238,3 +238,24 @@ async def test_a_crash_explains_the_collective_errors(
         await watcher.wait_for(lambda: any(d.incident == probe.incident for d in watcher.decisions))
     assert [p.generation for p in watcher.plans] == [1, 2]
     assert Action.REFORM not in [d.action for d in watcher.decisions]
+
+
+async def test_a_member_silent_among_failing_peers_is_replaced(
+    nats_url: str, bus: Bus, watcher: Watcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # w1 died and no detector reported it (none is running): w0 and w2 report their
+    # collectives failing, w1 says nothing. It must not be re-formed into the group.
+    monkeypatch.setenv("PHALANX_PLANNER_COMM_GRACE_S", "0.3")
+    async with planner(nats_url):
+        await start_job(bus)
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        for w, r in (("w0", 0), ("w2", 2)):
+            err = CollectiveError(
+                job=JOB, worker=w, rank=r, generation=1, step=4, error="Connection closed by peer"
+            )
+            await bus.publish(COMM_ERROR, err, job=JOB)
+        await watcher.wait_for(lambda: len(watcher.plans) == 2)
+    replaced = watcher.plans[1]
+    assert replaced.rank_of("w3") == 1 and replaced.removed == ["w1"]
+    decision = next(d for d in watcher.decisions if d.generation == 2)
+    assert decision.action is Action.REPLACE and "silent while ['w0', 'w2']" in decision.reason

@@ -44,18 +44,24 @@ WAIT_S = 30.0
 
 
 class ServiceProcess:
-    """``python -m phalanx.services.<module>`` with NATS_URL set, logging to a file."""
+    """``python -m phalanx.services.<module>`` (or ``phalanx service <name>`` with
+    ``cli=True``) with NATS_URL set, logging to a file."""
 
-    def __init__(self, module: str, url: str, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, module: str, url: str, log: Path, env: dict[str, str] | None = None, cli: bool = False
+    ) -> None:
         self.module = module
         self.name = SERVICES[module]
         self.log = log
         environ = {**os.environ, "NATS_URL": url, "PHALANX_LOG_LEVEL": "INFO", **(env or {})}
         environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
         with open(log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", f"phalanx.services.{module}"], env=environ, stdout=out, stderr=out
+            cmd = (
+                [sys.executable, "-m", "phalanx.cli", "service", self.name]
+                if cli
+                else [sys.executable, "-m", f"phalanx.services.{module}"]
             )
+            self.proc = subprocess.Popen(cmd, env=environ, stdout=out, stderr=out)
 
     def tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:]
@@ -96,8 +102,8 @@ class ServiceProcess:
 async def services(nats_url: str, tmp_path: Path) -> AsyncIterator[Callable[..., ServiceProcess]]:
     started: list[ServiceProcess] = []
 
-    def start(module: str, **env: str) -> ServiceProcess:
-        svc = ServiceProcess(module, nats_url, tmp_path / f"{module}-{len(started)}.log", env)
+    def start(module: str, cli: bool = False, **env: str) -> ServiceProcess:
+        svc = ServiceProcess(module, nats_url, tmp_path / f"{module}-{len(started)}.log", env, cli)
         started.append(svc)
         return svc
 
@@ -115,11 +121,12 @@ async def wait_for(cond: Callable[[], bool], what: str, timeout: float = WAIT_S)
 
 
 # -- every service: health and graceful shutdown --------------------------------------------
+@pytest.mark.parametrize("cli", [False, True], ids=["python-m", "phalanx-service"])
 @pytest.mark.parametrize("module", list(SERVICES))
 async def test_service_answers_health_and_exits_cleanly_on_sigterm(
-    module: str, bus: Bus, services: Callable[..., ServiceProcess]
+    module: str, cli: bool, bus: Bus, services: Callable[..., ServiceProcess]
 ) -> None:
-    svc = services(module)
+    svc = services(module, cli=cli)
     reply = await svc.healthy(bus)
     assert reply.service == SERVICES[module]
     assert reply.status == "ok"

@@ -38,6 +38,7 @@ exactly what the rank it replaces would have drawn.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import time
 from collections.abc import Callable
@@ -219,7 +220,9 @@ class Trainer:
             clones = [p.detach().clone().requires_grad_(True) for p in self.params]
             for c, p in zip(clones, self.params, strict=True):
                 c.grad = p.grad.detach().clone() if p.grad is not None else None
-            type(self.optimizer)(clones, **self.optimizer.defaults).step()
+            accepted = inspect.signature(type(self.optimizer)).parameters
+            kwargs = {k: v for k, v in self.optimizer.defaults.items() if k in accepted}
+            type(self.optimizer)(clones, **kwargs).step()
         except Exception as exc:  # an optimizer that cannot be rebuilt from its defaults
             self.log.info("optimizer_warm_up_skipped", error=repr(exc))
         # The first gloo group in a process costs more than later ones: build one here.
