@@ -364,17 +364,30 @@ class Bus:
     ) -> None:
         sub = None
         handled: dict[tuple[int, Any], None] = {}  # (stream seq, stored at) of handled messages
+        bound_at = -1  # self.reconnects when the subscription was bound
+        idle = 0  # consecutive empty fetches
         try:
             while not self._closing:
                 try:
+                    # A pull subscription can stall silently after a reconnect or a
+                    # consumer leader change (nats.py issue 504): bind it again after
+                    # every reconnect, and check on it after 10 s without a message.
+                    if sub is not None and (self.reconnects != bound_at or idle >= 10):
+                        idle = 0
+                        with contextlib.suppress(Exception):
+                            await sub.unsubscribe()
+                        sub = None
                     if sub is None:
                         try:
                             await self.js.consumer_info(stream.name, durable)
                         except NotFoundError:
                             await self.js.add_consumer(stream.name, config)
+                        bound_at = self.reconnects
                         sub = await self.js.pull_subscribe_bind(durable, stream=stream.name)
                     msgs = await sub.fetch(batch, timeout=1.0)
+                    idle = 0
                 except TimeoutError:
+                    idle += 1
                     continue
                 except asyncio.CancelledError:
                     raise
