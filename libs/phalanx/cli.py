@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import runpy
 import os
+import runpy
 import signal
 import sys
 import uuid
