@@ -28,10 +28,12 @@ SERVICES = {
 def _cmd_nats(args: argparse.Namespace) -> int:
     from phalanx.natsserver import NatsServer
 
+    stop = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # delivered to sigwait, not fatal
     srv = NatsServer(port=args.port, store_dir=args.store).start()
     print(srv.url, flush=True)
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        signal.sigwait(stop)
     finally:
         srv.stop()
     return 0
