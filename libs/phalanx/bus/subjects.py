@@ -61,17 +61,18 @@ class Subject:
         missing = set(self.params) - tokens.keys()
         if missing:
             raise ValueError(f"{self.pattern}: missing {sorted(missing)}")
-        for k, v in tokens.items():
-            if not _SAFE.match(v):
-                raise ValueError(f"{self.pattern}: token {k}={v!r} is not a plain name")
+        self._check(tokens)
         return _TOKEN.sub(lambda m: tokens[m.group(1)], self.pattern)
 
     def wildcard(self, **tokens: str) -> str:
         """The pattern with the given tokens filled and the rest as ``*``."""
+        self._check(tokens)
+        return _TOKEN.sub(lambda m: tokens.get(m.group(1), "*"), self.pattern)
+
+    def _check(self, tokens: dict[str, str]) -> None:
         for k, v in tokens.items():
             if not _SAFE.match(v):
                 raise ValueError(f"{self.pattern}: token {k}={v!r} is not a plain name")
-        return _TOKEN.sub(lambda m: tokens.get(m.group(1), "*"), self.pattern)
 
 
 HEARTBEAT = Subject(
