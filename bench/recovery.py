@@ -1,6 +1,6 @@
 """Downtime of a rank failure: Phalanx in-process recovery vs torchrun restart.
 
-    python -m bench.recovery [--trials 3] [--nproc 4] [--steps 40] [--quick]
+    python -m bench.recovery [--trials 3] [--nproc 4] [--steps 40] [--quick] [--nodes 3]
 
 Both paths train the same byte-level GPT (examples/gpt.py) on the same corpus,
 seed and global batch, with 4 ranks on this machine's CPUs, and lose the same
@@ -20,6 +20,21 @@ rank). Lost steps = completed steps that had to be computed again. The phase
 medians come from the incident traces (the same spans Jaeger shows). Steady
 overhead compares the median step time of a fault-free Phalanx run with plain
 DDP on the same model and batch (bench/baseline/plain_ddp.py), interleaved.
+
+With ``--nodes N`` (N >= 2; needs network namespaces, see phalanx.netns) it also
+measures the loss of a whole node, at least 5 trials each side:
+
+- Phalanx: N namespace nodes, each one ``phalanx run`` with 1 rank + 1 hot spare
+  (world N), NATS and the services in a namespace of their own; once rank 0 has
+  logged step k, every process of one node (launcher, rank, spare) is SIGKILLed.
+  The failure-detector's NodeLost verdict (digests stopped) makes the planner
+  give the node's rank to a spare on another node in one generation.
+- torchrun: the same N nodes, one agent and 1 worker each, ``--nnodes N-1:N``
+  elastic restart from the newest DCP checkpoint (bench/baseline/nodes.py); the
+  node hosting torchrun's c10d store cannot be the victim (its loss ends the job).
+
+Neither side loses the node hosting its rendezvous, so both see the same fault.
+``node_loss_downtime_s`` is fault -> first step completed after recovery.
 Prints one JSON line last.
 """
 
@@ -39,7 +54,8 @@ from bench.baseline.run import run_trial
 from examples.corpus import DEFAULT_OUT, build_corpus
 from examples.gpt import GPT
 from examples.train_gpt import command as train_command
-from phalanx.localstack import LocalStack
+from phalanx.localstack import JobResult, LocalStack
+from phalanx.netns import NetnsCluster
 from phalanx.tracesummary import PHASES, _from_file, incidents
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,6 +130,82 @@ def phalanx_steady(
     return [e["ms"] / 1000.0 for e in _read_jsonl(steps_log)][warmup:]
 
 
+def _stats(xs: list[float]) -> dict[str, float]:
+    ys = sorted(xs)
+    p90 = ys[min(len(ys) - 1, round(0.9 * (len(ys) - 1)))]
+    return {"median": round(statistics.median(ys), 4), "p90": round(p90, 4), "max": round(ys[-1], 4)}
+
+
+def node_loss_trials(work: Path, *, nodes: int, trials: int, steps: int, corpus: Path) -> dict[str, Any]:
+    """Phalanx and torchrun losing a whole node, ``trials`` each, in one cluster."""
+    from bench.baseline.nodes import run_node_loss_trial
+
+    names = [f"n{i}" for i in range(nodes)]
+    ks = [min(steps - 3, 10 + o) for o in (3, 7, 1, 9, 5, 2, 8, 4, 6, 0)]
+    px: list[dict[str, Any]] = []
+    rs: list[dict[str, Any]] = []
+    with NetnsCluster(["ctl", *names]) as cluster:
+        with LocalStack(
+            work / "mstack", services=("failure-detector", "elasticity-planner"), cluster=cluster
+        ) as stack:
+            for i in range(trials):
+                k = ks[i % len(ks)]
+                job, steps_log = f"nodes{i}-{int(time.time())}", work / f"nodes{i}.steps"
+                victim: list[str] = []
+
+                def kill(result: JobResult, victim: list[str] = victim, i: int = i) -> None:
+                    plan = result.plans[-1]  # plans arrive in generation order
+                    keep = {plan.nodes[m.worker] for m in plan.members if m.rank == 0}
+                    keep.add(next(n for n in names if plan.store_addr.startswith(cluster.ip(n) + ":")))
+                    victim.append(next(n for n in names[1 + i % (nodes - 1) :] + names if n not in keep))
+                    cluster.kill_node(victim[0])
+
+                cmd = train_command(steps, corpus, steps_log=steps_log)
+                result = stack.run_nodes(
+                    job, cmd, nodes={n: (1, 1) for n in names}, steps_log=steps_log, actions=[(k, kill)]
+                )
+                if result.returncode != 0 or len(result.node_losses) != 1:
+                    raise RuntimeError(
+                        f"node-loss trial {job} failed: {[d.reason for d in result.decisions]}"
+                    )
+                gen = max(p.generation for p in result.plans)
+                done = max(r.ts for r in result.recoveries if r.generation == gen)
+                loss = result.node_losses[0]
+                px.append(
+                    {
+                        "downtime_s": done - result.actions_at[0],
+                        "detect_ms": (loss.detected_at - result.actions_at[0]) * 1000.0,
+                        "fault_step": k,
+                        "victim": victim[0],
+                    }
+                )
+                print(json.dumps({"phalanx_node_trial": i, **px[-1]}), flush=True)
+        for i in range(trials):
+            r = run_node_loss_trial(
+                cluster,
+                work / f"torchrun-nodes{i}",
+                nodes=names,
+                nproc_per_node=1,
+                steps=steps,
+                kill_node=names[1 + i % (nodes - 1)],
+                kill_at_step=ks[i % len(ks)],
+                data=corpus,
+            )
+            rs.append(r)
+            print(json.dumps({"torchrun_node_trial": i, "downtime_s": r["downtime_s"]}), flush=True)
+    px_down = [t["downtime_s"] for t in px]
+    rs_down = [t["downtime_s"] for t in rs]
+    return {
+        "node_loss_downtime_s": _stats(px_down),
+        "node_loss_detect_ms_median": round(statistics.median(t["detect_ms"] for t in px), 1),
+        "torchrun_node_loss_downtime_s": _stats(rs_down),
+        "torchrun_node_loss_lost_steps": statistics.median(t["lost_steps"] for t in rs),
+        "node_loss_downtime_ratio": round(statistics.median(rs_down) / statistics.median(px_down), 2),
+        "node_trials": trials,
+        "nodes": nodes,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=3)
@@ -121,7 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--steady-steps", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="1 trial each, shorter runs")
+    ap.add_argument("--nodes", type=int, default=0, help="also lose a whole node of N (namespaces)")
+    ap.add_argument("--node-trials", type=int, default=5)
+    ap.add_argument("--node-steps", type=int, default=30)
+    ap.add_argument("--skip-single", action="store_true", help="with --nodes: only the node-loss part")
     args = ap.parse_args(argv)
+    if args.nodes == 1 or args.nodes < 0:
+        ap.error("--nodes must be >= 2")
     if args.quick:
         args.trials, args.steps, args.steady_steps = 1, 30, 15
     corpus = REPO / DEFAULT_OUT

@@ -2,7 +2,9 @@
 
 phalanx nats [--port P] [--store DIR]              run an embedded nats-server
 phalanx service NAME                               run one service (failure-detector, ...)
-phalanx run --nproc N [--spares K] [--job J] -- python train.py ...
+phalanx run --nproc N [--spares K] [--job J] -- python train.py ...          one node
+phalanx run --nnodes MIN[:MAX] --node-id NAME --nproc-per-node N [--spares-per-node K]
+            --job J --rdzv-endpoint HOST:PORT [--bind ADDR] -- python train.py ...  each node
 phalanx trace summary [--trace ID] [--spans FILE] [--jaeger URL]
 """
 
@@ -48,14 +50,38 @@ def _cmd_service(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"2:4"`` -> (2, 4); a clear ValueError otherwise."""
+    lo, _, hi = text.partition(":")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--nnodes must be MIN or MIN:MAX, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"--nnodes needs 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    from phalanx.runtime.launcher import LaunchConfig, run
+    from phalanx.runtime.launcher import LaunchConfig, LaunchError, run
     from phalanx.telemetry import setup_logging, setup_tracing, shutdown_tracing
 
     cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
     if not cmd:
         print("phalanx run: give the command after --", file=sys.stderr)
         return 2
+    try:
+        min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    except ValueError as exc:
+        print(f"phalanx run: {exc}", file=sys.stderr)
+        return 2
+    if max_nodes > 1 and not args.node_id:
+        print("phalanx run: a job that may span nodes needs --node-id (unique per node)", file=sys.stderr)
+        return 2
+    if max_nodes > 1 and not args.job:
+        print("phalanx run: every node of a multi-node job must name it with --job", file=sys.stderr)
+        return 2
+    url = f"nats://{args.rdzv_endpoint}" if args.rdzv_endpoint else None
     setup_logging("launcher")
     setup_tracing("phalanx-launcher")
     config = LaunchConfig(
@@ -65,11 +91,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
         spares=args.spares,
         global_batch=args.global_batch,
         min_nproc=args.min_nproc,
-        max_nproc=args.max_nproc,
+        nats_url=url,
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        node=args.node_id or "local",
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        bind=args.bind,
+        join_timeout_s=args.join_timeout,
     )
     try:
         return asyncio.run(run(config, args.timeout))
+    except (LaunchError, ValueError) as exc:
+        print(f"phalanx run: {exc}", file=sys.stderr)
+        return 2
     finally:
         shutdown_tracing()
 
@@ -93,14 +127,29 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("service", help="run one service")
     s.add_argument("name", choices=sorted(SERVICES))
     s.set_defaults(fn=_cmd_service)
-    r = sub.add_parser("run", help="launch ranks and hot spares for a training script")
-    r.add_argument("--nproc", type=int, required=True)
-    r.add_argument("--spares", type=int, default=0)
-    r.add_argument("--job", default=os.environ.get("PHALANX_JOB"))
-    r.add_argument("--global-batch", type=int, default=32)
-    r.add_argument("--min-nproc", type=int)
-    r.add_argument("--max-nproc", type=int)
-    r.add_argument("--log-dir")
+    r = sub.add_parser("run", help="launch this node's ranks and hot spares for a training script")
+    r.add_argument(
+        "--nproc", "--nproc-per-node", dest="nproc", type=int, required=True, help="ranks on this node"
+    )
+    r.add_argument(
+        "--spares", "--spares-per-node", dest="spares", type=int, default=0, help="hot spares on this node"
+    )
+    r.add_argument(
+        "--nnodes", default="1", help="MIN[:MAX] nodes; the job starts when MIN have joined (default 1)"
+    )
+    r.add_argument("--node-id", help="this node's name in the job, unique per node (needed when MAX > 1)")
+    r.add_argument(
+        "--rdzv-endpoint",
+        help="HOST:PORT of the NATS server the nodes meet through (default: NATS_URL)",
+    )
+    r.add_argument("--bind", help="address the store and gloo listen on (default: the one that reaches NATS)")
+    r.add_argument("--job", default=os.environ.get("PHALANX_JOB"), help="the job's name (same on every node)")
+    r.add_argument("--global-batch", type=int, default=32, help="samples per optimizer step, whole job")
+    r.add_argument("--min-nproc", type=int, help="smallest world a shrink may leave (default: no shrink)")
+    r.add_argument("--log-dir", help="write each worker's output to DIR/<worker>.log")
+    r.add_argument(
+        "--join-timeout", type=float, default=10.0, help="seconds to wait for the planner's answer"
+    )
     r.add_argument("--timeout", type=float, help="give up after this many seconds")
     r.add_argument("cmd", nargs=argparse.REMAINDER)
     r.set_defaults(fn=_cmd_run)

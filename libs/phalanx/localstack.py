@@ -12,17 +12,28 @@ benchmarks all run through it; it is also the quickest way to try Phalanx.
 permissions of :mod:`phalanx.natsauth` and gives each process its role's
 credentials (services their own role, the launcher ``launcher``, ranks ``rank``,
 the stack's observer ``observer``, its health checks ``admin``); default off.
+
+Several nodes: ``LocalStack(workdir, cluster=NetnsCluster([...]))`` runs
+nats-server and the services inside the cluster's ``control`` namespace, and
+:meth:`LocalStack.run_nodes` starts one ``phalanx run`` per node namespace (the
+public CLI, as an operator would) and can act on the job at chosen steps -- kill
+a whole node, cut it off -- while it watches the job's events::
+
+    with NetnsCluster(["ctl", "a", "b"]) as cl, LocalStack(work, cluster=cl) as stack:
+        result = stack.run_nodes("j1", cmd, nodes={"a": (2, 1), "b": (2, 1)},  # (ranks, spares)
+                                 steps_log=log, actions=[(5, lambda r: cl.kill_node("b"))])
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -32,11 +43,12 @@ from nats.aio.msg import Msg
 
 from phalanx.bus import Bus
 from phalanx.bus._connection import ENV_NATS_PASSWORD, ENV_NATS_USER
-from phalanx.bus.subjects import DECISION, FAILED, HUNG, PLAN, RECOVERED
+from phalanx.bus.subjects import DECISION, FAILED, HUNG, NODE_LOST, PLAN, RECOVERED
 from phalanx.natsauth import ROLE_OF_SERVICE, NatsAuth
 from phalanx.natsserver import NatsServer
+from phalanx.netns import NetnsCluster
 from phalanx.runtime.launcher import LaunchConfig, Launcher
-from phalanx.schemas import Plan, PlanDecision, RankFailed, RankHung, RecoveryDone, decode
+from phalanx.schemas import NodeLost, Plan, PlanDecision, RankFailed, RankHung, RecoveryDone, decode
 from phalanx.service import ping
 
 SERVICE_MODULES = {
@@ -56,7 +68,24 @@ class JobResult:
     decisions: list[PlanDecision] = field(default_factory=list)
     plans: list[Plan] = field(default_factory=list)
     recoveries: list[RecoveryDone] = field(default_factory=list)
+    node_losses: list[NodeLost] = field(default_factory=list)
     received_at: dict[str, float] = field(default_factory=dict)  # first receipt per incident
+    node_returncodes: dict[str, int] = field(default_factory=dict)  # run_nodes: each launcher's exit
+    actions_at: list[float] = field(default_factory=list)  # run_nodes: when each action ran
+
+    def observe(self, msg: object) -> None:
+        if isinstance(msg, RankFailed | RankHung):
+            self.received_at.setdefault(msg.incident, time.time())
+            self.faults.append(msg)
+        elif isinstance(msg, NodeLost):
+            self.received_at.setdefault(msg.incident, time.time())
+            self.node_losses.append(msg)
+        elif isinstance(msg, PlanDecision):
+            self.decisions.append(msg)
+        elif isinstance(msg, Plan):
+            self.plans.append(msg)
+        elif isinstance(msg, RecoveryDone):
+            self.recoveries.append(msg)
 
 
 class LocalStack:
@@ -67,7 +96,11 @@ class LocalStack:
         services: tuple[str, ...] = tuple(SERVICE_MODULES),
         env: dict[str, str] | None = None,
         auth: bool = False,
+        cluster: NetnsCluster | None = None,
+        control: str = "ctl",
     ) -> None:
+        self.cluster = cluster
+        self.control = control
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.services = services
@@ -112,17 +145,24 @@ class LocalStack:
             if self.with_auth:
                 self.auth = NatsAuth.generate()
                 conf = self.auth.write_config(self.workdir / "nats.conf", listen=None)
-            self.server = NatsServer(store_dir=self.workdir / "nats", config_file=conf).start()
+            host = self.cluster.ip(self.control) if self.cluster is not None else "127.0.0.1"
+            self.server = NatsServer(
+                store_dir=self.workdir / "nats", config_file=conf, host=host, argv_prefix=self._argv([])
+            ).start()
             self.env["NATS_URL"] = self.server.url
         for name in self.services:
             log = open(self.workdir / f"{name}.log", "ab")
             env = {**self.env, **self.role_env(ROLE_OF_SERVICE[name])}
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", SERVICE_MODULES[name]], env=env, stdout=log, stderr=log
+                self._argv([sys.executable, "-m", SERVICE_MODULES[name]]), env=env, stdout=log, stderr=log
             )
             log.close()
         asyncio.run(self._wait_healthy())
         return self
+
+    def _argv(self, argv: list[str], node: str | None = None) -> list[str]:
+        """``argv`` run on ``node`` (default: the control node) when there is a cluster."""
+        return self.cluster.argv(node or self.control, argv) if self.cluster is not None else argv
 
     async def _wait_healthy(self, timeout_s: float = 60.0) -> None:
         with self._credentials("admin"):
@@ -166,6 +206,18 @@ class LocalStack:
         self.stop()
 
     # -- jobs ---------------------------------------------------------------------
+    async def _observer(self, job: str) -> Bus:
+        with self._credentials("observer"):  # an observer may not create streams: auth on, no ensure
+            return await Bus.connect(self.url, name=f"observer-{job}", ensure=self.auth is None)
+
+    @staticmethod
+    async def _observe(bus: Bus, job: str, result: JobResult) -> None:
+        async def on_msg(raw: Msg) -> None:
+            result.observe(decode(raw.data, raw.headers))
+
+        for subject in (FAILED, HUNG, NODE_LOST, DECISION, PLAN, RECOVERED):
+            await bus.nc.subscribe(subject.format(job=job), cb=on_msg)
+
     def run_job(self, job: str, cmd: list[str], **kwargs: Any) -> JobResult:
         """Run a job to its end; the arguments are :meth:`run_job_async`'s."""
         return asyncio.run(self.run_job_async(job, cmd, **kwargs))
@@ -184,23 +236,9 @@ class LocalStack:
         env: dict[str, str] | None = None,
     ) -> JobResult:
         result = JobResult(job, -1, 0.0)
-        with self._credentials("observer"):  # an observer may not create streams: auth on, no ensure
-            bus = await Bus.connect(self.url, name=f"observer-{job}", ensure=self.auth is None)
+        bus = await self._observer(job)
 
-        async def on_msg(raw: Msg) -> None:
-            msg = decode(raw.data, raw.headers)
-            if isinstance(msg, RankFailed | RankHung):
-                result.received_at.setdefault(msg.incident, time.time())
-                result.faults.append(msg)
-            elif isinstance(msg, PlanDecision):
-                result.decisions.append(msg)
-            elif isinstance(msg, Plan):
-                result.plans.append(msg)
-            elif isinstance(msg, RecoveryDone):
-                result.recoveries.append(msg)
-
-        for subject in (FAILED, HUNG, DECISION, PLAN, RECOVERED):
-            await bus.nc.subscribe(subject.format(job=job), cb=on_msg)
+        await self._observe(bus, job, result)
         launcher = Launcher(
             LaunchConfig(
                 job=job,
@@ -230,3 +268,123 @@ class LocalStack:
             await asyncio.sleep(0.3)  # let the last events arrive
             await bus.close()
         return result
+
+    # -- several nodes --------------------------------------------------------------
+    def node_argv(
+        self,
+        node: str,
+        job: str,
+        cmd: Sequence[str],
+        *,
+        nproc_per_node: int,
+        spares_per_node: int = 0,
+        nnodes: str = "1",
+        global_batch: int = 16,
+        min_nproc: int | None = None,
+    ) -> list[str]:
+        """The ``phalanx run`` command line of one node (run inside its namespace)."""
+        endpoint = self.url.split("://", 1)[-1]
+        argv = [sys.executable, "-m", "phalanx.cli", "run", "--job", job, "--nnodes", nnodes]
+        argv += ["--node-id", node, "--nproc-per-node", str(nproc_per_node)]
+        argv += ["--spares-per-node", str(spares_per_node), "--rdzv-endpoint", endpoint]
+        argv += ["--global-batch", str(global_batch), "--log-dir", str(self.workdir / "logs" / job / node)]
+        if min_nproc is not None:
+            argv += ["--min-nproc", str(min_nproc)]
+        return self._argv([*argv, "--", *cmd], node)
+
+    def node_env(self, faults: str = "", env: dict[str, str] | None = None) -> dict[str, str]:
+        """A launcher's environment: the stack's settings, its credentials, its ranks'."""
+        out = {**self.env, **self.role_env("launcher"), "PHALANX_FAULTS": faults, **(env or {})}
+        rank = self.role_env("rank")
+        if rank:
+            out["PHALANX_NATS_RANK_USER"] = rank[ENV_NATS_USER]
+            out["PHALANX_NATS_RANK_PASSWORD"] = rank[ENV_NATS_PASSWORD]
+        return out
+
+    def run_nodes(self, job: str, cmd: Sequence[str], **kwargs: Any) -> JobResult:
+        """Run a job across nodes to its end; the arguments are :meth:`run_nodes_async`'s."""
+        return asyncio.run(self.run_nodes_async(job, cmd, **kwargs))
+
+    async def run_nodes_async(
+        self,
+        job: str,
+        cmd: Sequence[str],
+        *,
+        nodes: Mapping[str, tuple[int, int]],
+        nnodes: str | None = None,
+        global_batch: int = 16,
+        min_nproc: int | None = None,
+        faults: str = "",
+        env: dict[str, str] | None = None,
+        steps_log: Path | None = None,
+        actions: Sequence[tuple[int, Callable[[JobResult], object]]] = (),
+        timeout_s: float = 300.0,
+    ) -> JobResult:
+        """One ``phalanx run`` per node, ``nodes[node] = (ranks, spares)``, started in
+        that order; ``actions`` run once rank 0's ``steps_log`` shows their step done
+        (a node killed after step 5: ``(5, lambda result: cl.kill_node("b"))``).
+
+        ``result.returncode`` is 0 when every launcher that was not killed by an
+        action exited 0; each launcher's own code is in ``node_returncodes``.
+        """
+        result = JobResult(job, -1, 0.0)
+        bus = await self._observer(job)
+        await self._observe(bus, job, result)
+        spec = nnodes or str(len(nodes))
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        todo = sorted(actions, key=lambda a: a[0])
+        t0 = time.time()
+        try:
+            for node, (nproc, spares) in nodes.items():
+                log = open(self.workdir / f"launcher-{job}-{node}.log", "ab")
+                argv = self.node_argv(
+                    node,
+                    job,
+                    cmd,
+                    nproc_per_node=nproc,
+                    spares_per_node=spares,
+                    nnodes=spec,
+                    global_batch=global_batch,
+                    min_nproc=min_nproc,
+                )
+                procs[node] = subprocess.Popen(
+                    argv, env=self.node_env(faults, env), stdout=log, stderr=subprocess.STDOUT
+                )
+                log.close()
+            deadline = time.monotonic() + timeout_s
+            killed: set[str] = set()
+            while any(p.poll() is None for p in procs.values()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"job {job} did not end within {timeout_s:g}s")
+                done = _last_step(steps_log) if steps_log is not None and todo else -1
+                while todo and done >= todo[0][0]:
+                    result.actions_at.append(time.time())
+                    todo.pop(0)[1](result)
+                killed |= {n for n, p in procs.items() if p.poll() is not None and p.returncode < 0}
+                await asyncio.sleep(0.01)
+            result.node_returncodes = {n: int(p.returncode) for n, p in procs.items()}
+            survivors = [rc for n, rc in result.node_returncodes.items() if n not in killed]
+            result.returncode = 0 if survivors and all(rc == 0 for rc in survivors) else 1
+        finally:
+            result.wall_s = time.time() - t0
+            for p in procs.values():
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs.values():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(10)
+                if p.poll() is None:
+                    p.kill()
+            await asyncio.sleep(0.3)  # let the last events arrive
+            await bus.close()
+        return result
+
+
+def _last_step(path: Path) -> int:
+    """The highest step rank 0 logged so far (-1 before the first)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return -1
+    steps = [json.loads(line)["step"] for line in lines if line.strip().endswith("}")]
+    return max(steps, default=-1)

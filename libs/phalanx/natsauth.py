@@ -240,6 +240,7 @@ def permissions(role: str, user: str | None = None) -> Permissions:
         deny.append(f"{JS_API}.STREAM.UPDATE.>")
     sub = [
         "phalanx.hb.>",
+        "phalanx.node.>",
         "phalanx.evt.>",
         "phalanx.cmd.>",
         "phalanx.sched.>",

@@ -9,11 +9,18 @@ its own store directory, and counts as started when it prints "Server is ready".
 nats://127.0.0.1:40123
 >>> cluster = NatsCluster(3, base_dir=tmp)   # a 3-node JetStream cluster
 >>> NatsServer(store_dir=tmp, config_file="nats.conf")   # plus a config (phalanx.natsauth)
+
+``host`` changes the listen address, and ``argv_prefix`` is put before the command
+line, e.g. to run the server inside a network namespace (phalanx.netns):
+``NatsServer(host=cl.ip("ctl"), argv_prefix=cl.argv("ctl", []))``. A port that cannot be
+checked from here (the address is not in this namespace) is a random high one; when
+the server then reports it in use, start() retries with another.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -30,10 +38,20 @@ class NatsServerError(RuntimeError):
     pass
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _pick_port(host: str, checkable: bool) -> int:
+    """A free port on ``host`` when this process can bind there, else a random high one."""
+    if checkable:
+        try:
+            return free_port(host)
+        except OSError:
+            pass
+    return random.randint(20000, 59999)
 
 
 def find_binary() -> str:
@@ -60,8 +78,14 @@ class NatsServer:
         log_file: str | os.PathLike[str] | None = None,
         extra_args: list[str] | None = None,
         config_file: str | os.PathLike[str] | None = None,
+        host: str = "127.0.0.1",
+        argv_prefix: Sequence[str] = (),
     ) -> None:
-        self.port = port or free_port()
+        self.host = host
+        # e.g. ``NetnsCluster.argv(node, [])``: the server runs inside that namespace
+        self.argv_prefix = list(argv_prefix)
+        self._auto_port = not port
+        self.port = port or _pick_port(host, checkable=not self.argv_prefix)
         self._own_store = store_dir is None
         self.store_dir = Path(store_dir or tempfile.mkdtemp(prefix="phalanx-nats-"))
         self.server_name = server_name
@@ -76,12 +100,23 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     def _args(self) -> list[str]:
-        args = [find_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store_dir)]
+        args = [
+            *self.argv_prefix,
+            find_binary(),
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+            "-js",
+            "-sd",
+            str(self.store_dir),
+        ]
         if self.config_file:
-            args[1:1] = ["-c", str(self.config_file)]
+            at = len(self.argv_prefix) + 1
+            args[at:at] = ["-c", str(self.config_file)]
         if self.server_name:
             args += ["-n", self.server_name]
         if self.cluster_name:
@@ -89,7 +124,7 @@ class NatsServer:
                 "--cluster_name",
                 self.cluster_name,
                 "--cluster",
-                f"nats://127.0.0.1:{self.cluster_port}",
+                f"nats://{self.host}:{self.cluster_port}",
             ]
             if self.routes:
                 args += ["--routes", ",".join(self.routes)]
@@ -98,8 +133,19 @@ class NatsServer:
     def start(self, timeout_s: float = 15.0) -> NatsServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
+        for _ in range(4):
+            try:
+                return self._start(timeout_s)
+            except NatsServerError as e:
+                if not (self._auto_port and "address already in use" in str(e).lower()):
+                    raise
+            self.port = _pick_port(self.host, checkable=not self.argv_prefix)
+        return self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "ab")
+        log_from = log.tell()  # this attempt's output only
         self.proc = subprocess.Popen(self._args(), stdout=log, stderr=subprocess.PIPE, start_new_session=True)
         log.close()
         ready = threading.Event()
@@ -114,11 +160,16 @@ class NatsServer:
                     if b"Server is ready" in line:
                         ready.set()
 
-        threading.Thread(target=pump, daemon=True, name="nats-server-log").start()
+        pumper = threading.Thread(target=pump, daemon=True, name="nats-server-log")
+        pumper.start()
         deadline = time.monotonic() + timeout_s
         while not ready.wait(0.05):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.log_file.read_text(errors="replace")[-2000:]
+                if self.proc.poll() is not None:
+                    pumper.join(2.0)  # the last lines say why it exited
+                with open(self.log_file, "rb") as f:
+                    f.seek(log_from)
+                    tail = f.read().decode(errors="replace")[-2000:]
                 self.stop()
                 raise NatsServerError(f"nats-server did not start on {self.url}:\n{tail}")
         return self

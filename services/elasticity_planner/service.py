@@ -1,11 +1,19 @@
 """The planner service: turns faults into committed, published plans.
 
 Inputs (durable JetStream consumers, so a planner restart loses nothing):
-job specs, registrations, RankFailed/RankHung, plan acknowledgements, exits.
-Outputs: ``PlanDecision`` events (every decision with its reason) and, for a
+job specs (one per node's launcher), registrations, RankFailed/RankHung,
+NodeLost, plan acknowledgements, exits. Outputs: ``NodeJoined`` answers to the
+launchers, ``PlanDecision`` events (every decision with its reason) and, for a
 membership change, a ``Plan`` committed first in the ``phalanx_jobs`` bucket
 under ``<job>.plan`` by compare-and-set (the generation only moves forward),
 then published with ``Nats-Msg-Id = <job>:plan:<generation>``.
+
+Nodes: the first launcher to join a job that has no live run opens a run (its
+id goes into every plan); later launchers must agree on the run's settings or
+are refused with the reason. Generation 1 starts when ``min_nodes`` nodes have
+joined and all their ranks registered; a node joining a running job brings
+spares. Every plan names the store its members meet on: the current one while
+its node lives, else the store of the first live node.
 
 The planner's own state per job (spec, phase, spares, lost workers, current
 plan) is kept in the same bucket under ``<job>.planner`` after every change and
@@ -19,7 +27,9 @@ follows it.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import msgpack
@@ -33,6 +43,7 @@ from phalanx.services.elasticity_planner.policy import (
     Fault,
     JobPhase,
     JobState,
+    NodeState,
     Policy,
     ReplaceOrShrink,
     state_from_dict,
@@ -40,13 +51,27 @@ from phalanx.services.elasticity_planner.policy import (
 )
 
 from phalanx.bus import COMMANDS, EVENTS, JOBS_BUCKET, Bus
-from phalanx.bus.subjects import ACK, COMM_ERROR, DECISION, EXITED, FAILED, HUNG, JOB_SPEC, PLAN, REGISTERED
+from phalanx.bus.subjects import (
+    ACK,
+    COMM_ERROR,
+    DECISION,
+    EXITED,
+    FAILED,
+    HUNG,
+    JOB_SPEC,
+    JOINED,
+    NODE_LOST,
+    PLAN,
+    REGISTERED,
+)
 from phalanx.schemas import (
     Action,
     CollectiveError,
     JobSpec,
     Member,
     Message,
+    NodeJoined,
+    NodeLost,
     Plan,
     PlanAck,
     PlanDecision,
@@ -107,9 +132,16 @@ class ElasticityPlanner(Service):
         self.bus.consume(
             EVENTS,
             "planner-events",
-            [REGISTERED.wildcard(), FAILED.wildcard(), HUNG.wildcard(), ACK.wildcard(), EXITED.wildcard()],
+            [
+                REGISTERED.wildcard(),
+                FAILED.wildcard(),
+                HUNG.wildcard(),
+                NODE_LOST.wildcard(),
+                ACK.wildcard(),
+                EXITED.wildcard(),
+            ],
             self._on_event,
-            (Registered, RankFailed, RankHung, PlanAck, RankExited),
+            (Registered, RankFailed, RankHung, NodeLost, PlanAck, RankExited),
             ack_wait_s=10.0,
         )
         self.bus.consume(
@@ -234,15 +266,110 @@ class ElasticityPlanner(Service):
 
     async def _on_command_locked(self, msg: Message) -> None:
         assert isinstance(msg, JobSpec)
-        current = self.jobs.get(msg.job)
-        if current is not None and current.spec == msg:
-            return  # redelivery
-        # A new launch of a job continues its generations: they only move forward.
-        self.jobs[msg.job] = JobState(spec=msg, base_generation=await self._committed_generation(msg.job))
-        await self._save(self.jobs[msg.job])
-        self.log.info("job_spec", job=msg.job, world_size=msg.world_size, workers=len(msg.workers))
-        for reg in self._early.pop((msg.job, msg.launch), []):
+        state = self.jobs.get(msg.job)
+        if state is not None:
+            known = next((n for n, s in state.nodes.items() if s.launcher == msg.launcher), None)
+            if known is not None:  # redelivery: answer again (the answer is de-duplicated)
+                await self._answer(state, msg, state.nodes[known].workers, "already joined")
+                return
+        if state is None or state.phase in _ENDED:
+            # A new run of the job continues its generations: they only move forward.
+            state = JobState(
+                spec=msg,
+                run=f"r-{uuid.uuid4().hex[:12]}",
+                base_generation=await self._committed_generation(msg.job),
+            )
+            self.jobs[msg.job] = state
+        refusal = self._refusal(state, msg)
+        if refusal is not None:
+            self.log.warning(
+                "node_refused", job=msg.job, node=msg.node, launcher=msg.launcher, reason=refusal
+            )
+            await self._publish_answer(
+                NodeJoined(job=msg.job, node=msg.node, launcher=msg.launcher, accepted=False, reason=refusal)
+            )
+            if not state.nodes:  # it would have opened the run: nothing of it stays
+                del self.jobs[msg.job]
+            return
+        workers = self._names(state, msg)
+        state.nodes[msg.node] = NodeState(msg.launcher, msg.host, msg.store_addr, workers, msg.ranks)
+        await self._save(state)
+        live = len(state.live_nodes())
+        reason = f"node {msg.node} joined run {state.run} with {len(workers)} workers"
+        reason += (
+            ": spare capacity for the running job"
+            if state.phase is not JobPhase.WAITING
+            else f" ({live} of min {state.spec.min_nodes} nodes)"
+        )
+        self.log.info("node_joined", job=msg.job, node=msg.node, workers=workers, run=state.run)
+        await self._answer(state, msg, workers, reason)
+        await self._publish_decision(state, None, Action.JOIN, reason, None, key=f"join:{msg.launcher}")
+        for reg in self._early.pop((msg.job, state.run), []):
             await self._on_registered(reg)
+        await self._maybe_start(state)
+
+    def _refusal(self, state: JobState, spec: JobSpec) -> str | None:
+        if not state.nodes:
+            return None
+        mine, theirs = spec.settings(), state.spec.settings()
+        differ = [f"{k}={mine[k]!r} (the job has {theirs[k]!r})" for k in theirs if mine[k] != theirs[k]]
+        if differ:
+            return f"settings differ from the job's: {', '.join(differ)}"
+        live = state.live_nodes()
+        if spec.node in live:
+            return f"node {spec.node} is already in the job (launcher {state.nodes[spec.node].launcher})"
+        if len(live) >= state.spec.max_nodes:
+            return f"the job already has max_nodes={state.spec.max_nodes} nodes"
+        return None
+
+    @staticmethod
+    def _names(state: JobState, spec: JobSpec) -> list[str]:
+        """The spec's worker names, renumbered if an earlier launcher of the run used them."""
+        used = {w for s in state.nodes.values() for w in s.workers}
+        if not used & set(spec.workers):
+            return list(spec.workers)
+        stem = re.sub(r"\d+$", "", spec.workers[0])
+        taken = [int(m.group(1)) for w in used if (m := re.fullmatch(re.escape(stem) + r"(\d+)", w))]
+        first = max(taken, default=-1) + 1
+        return [f"{stem}{first + i}" for i in range(len(spec.workers))]
+
+    async def _answer(self, state: JobState, spec: JobSpec, workers: list[str], reason: str) -> None:
+        await self._publish_answer(
+            NodeJoined(
+                job=spec.job,
+                node=spec.node,
+                launcher=spec.launcher,
+                accepted=True,
+                run=state.run,
+                as_spares=state.phase is not JobPhase.WAITING,
+                workers=workers,
+                reason=reason,
+            )
+        )
+
+    async def _publish_answer(self, answer: NodeJoined) -> None:
+        await self.bus.publish(
+            JOINED, answer, job=answer.job, msg_id=f"{answer.job}:joined:{answer.launcher}"
+        )
+
+    async def _maybe_start(self, state: JobState) -> None:
+        """Generation 1: once ``min_nodes`` nodes joined and all their ranks registered."""
+        if state.phase is not JobPhase.WAITING or len(state.live_nodes()) < state.spec.min_nodes:
+            return
+        expected = [w for n in state.live_nodes() for w in state.nodes[n].workers[: state.nodes[n].ranks]]
+        if not expected or any(w not in state.ranks for w in expected):
+            return
+        members = [Member(rank=i, worker=w) for i, w in enumerate(expected)]
+        state.start_world = len(members)
+        await self._apply(
+            state,
+            None,
+            Decision(
+                Action.START,
+                f"{len(members)} ranks registered on {len(state.live_nodes())} node(s)",
+                members=members,
+            ),
+        )
 
     async def _on_event(self, msg: Message, raw: Msg) -> None:
         async with self._lock:
@@ -253,32 +380,67 @@ class ElasticityPlanner(Service):
             await self._on_registered(msg)
         elif isinstance(msg, RankFailed | RankHung):
             await self._on_fault(msg)
+        elif isinstance(msg, NodeLost):
+            await self._on_node_lost(msg)
         elif isinstance(msg, PlanAck):
             self._on_ack(msg)
         elif isinstance(msg, RankExited):
             state = self.jobs.get(msg.job)
-            if state and msg.exit_code == 0 and state.plan and state.plan.rank_of(msg.worker) is not None:
+            if (
+                state
+                and msg.exit_code == 0
+                and state.plan
+                and state.plan.rank_of(msg.worker) is not None
+                and state.phase not in _ENDED
+            ):
                 state.phase = JobPhase.COMPLETED
                 await self._save(state)
+                await self._publish_decision(
+                    state,
+                    None,
+                    Action.COMPLETE,
+                    f"{msg.worker} finished generation {state.generation}: the job is complete",
+                    state.generation,
+                    key="complete",
+                )
 
     async def _on_registered(self, reg: Registered) -> None:
         state = self.jobs.get(reg.job)
-        if state is None or state.spec.launch != reg.launch:
+        if state is None or state.run != reg.launch:
             self._early.setdefault((reg.job, reg.launch), []).append(reg)
             return
-        if reg.worker not in state.spec.workers:
+        if state.node_of(reg.worker) is None:
             self.log.warning("unknown_worker", job=reg.job, worker=reg.worker)
             return
         if reg.worker in state.lost or reg.worker in state.ranks or reg.worker in state.spares:
             return  # redelivery
-        (state.ranks if reg.role is Role.RANK else state.spares).append(reg.worker)
+        rank = reg.role is Role.RANK and state.phase is JobPhase.WAITING
+        (state.ranks if rank else state.spares).append(reg.worker)
         await self._save(state)
-        if state.phase is JobPhase.WAITING and len(state.ranks) >= state.spec.world_size:
-            order = sorted(state.ranks, key=state.spec.workers.index)[: state.spec.world_size]
-            members = [Member(rank=i, worker=w) for i, w in enumerate(order)]
-            await self._apply(
-                state, None, Decision(Action.START, f"{len(members)} ranks registered", members=members)
-            )
+        await self._maybe_start(state)
+
+    async def _on_node_lost(self, event: NodeLost) -> None:
+        state = self.jobs.get(event.job)
+        node = state.nodes.get(event.node) if state else None
+        if state is None or node is None or node.lost or (event.launcher and event.launcher != node.launcher):
+            self.log.info("node_lost_ignored", job=event.job, node=event.node, incident=event.incident)
+            return
+        with _tracer.start_as_current_span(
+            "plan",
+            start_time=int(time.time() * 1e9),
+            attributes={
+                "phalanx.job": event.job,
+                "phalanx.incident": event.incident,
+                "phalanx.node": event.node,
+                "phalanx.cause": event.cause.value,
+            },
+        ) as span:
+            decision = self.policy.on_node_lost(state, event.node, f"lost ({event.cause.value})")
+            node.lost = True
+            state.lost_launchers.append(node.launcher)
+            span.set_attribute("phalanx.action", decision.action.value)
+            span.set_attribute("phalanx.reason", decision.reason)
+            await self._apply(state, event.incident, decision)
 
     async def _on_fault(self, event: RankFailed | RankHung) -> None:
         state = self.jobs.get(event.job)
@@ -326,37 +488,56 @@ class ElasticityPlanner(Service):
             state.spares.remove(w)
         generation = None
         if d.members is not None:
+            generation = state.generation + 1
+            workers = [m.worker for m in d.members] + state.spares
             plan = Plan(
                 job=job,
-                generation=state.generation + 1,
+                generation=generation,
                 members=d.members,
                 spares=list(state.spares),
                 removed=d.removed,
                 incident=incident,
                 reason=d.reason,
-                store_prefix=f"{job}/gen{state.generation + 1}",
-                launch=state.spec.launch,
+                store_prefix=f"{job}/gen{generation}",
+                store_addr=self._store_for(state),
+                launch=state.run,
+                nodes={w: n for w in workers if (n := state.node_of(w)) is not None},
+                lost_launchers=list(state.lost_launchers),
             )
             await self._commit(plan)
             state.plan = plan
             state.phase = JobPhase.RECOVERING if incident else JobPhase.RUNNING
-            generation = plan.generation
         elif d.action is Action.STOP:
             state.phase = JobPhase.STOPPED
         await self._save(state)
+        await self._publish_decision(state, incident, d.action, d.reason, generation, key=incident or "start")
+
+    @staticmethod
+    def _store_for(state: JobState) -> str:
+        """The current generation's store while its node lives, else the first live node's."""
+        current = state.plan.store_addr if state.plan else ""
+        if any(s.store_addr == current and not s.lost for s in state.nodes.values()):
+            return current
+        return next((s.store_addr for s in state.nodes.values() if not s.lost), "")
+
+    async def _publish_decision(
+        self,
+        state: JobState,
+        incident: str | None,
+        action: Action,
+        reason: str,
+        generation: int | None,
+        key: str,
+    ) -> None:
+        job = state.spec.job
         self.log.info(
-            "decision",
-            job=job,
-            incident=incident,
-            action=d.action.value,
-            reason=d.reason,
-            generation=generation,
+            "decision", job=job, incident=incident, action=action.value, reason=reason, generation=generation
         )
         await self.bus.publish(
             DECISION,
-            PlanDecision(job=job, incident=incident, action=d.action, reason=d.reason, generation=generation),
+            PlanDecision(job=job, incident=incident, action=action, reason=reason, generation=generation),
             job=job,
-            msg_id=f"{job}:decision:{incident or 'start'}",
+            msg_id=f"{job}:{state.run}:decision:{key}",
         )
 
     async def _committed_generation(self, job: str) -> int:

@@ -1,8 +1,16 @@
 """The failure-detection algorithm: pure state, no I/O, an injected clock.
 
 :class:`Detector` turns what the service hears (heartbeats, process exits, plans)
-into :class:`Incident` verdicts. The service (:mod:`.service`) feeds it and
-publishes the verdicts; unit tests drive it with a fake clock.
+into verdicts: :class:`Incident` about one worker process, :class:`NodeIncident`
+about a whole node. The service (:mod:`.service`) feeds it and publishes the
+verdicts; unit tests drive it with a fake clock.
+
+Heartbeats come two ways. A rank without a launcher publishes its own
+(:meth:`Detector.observe`). A rank under a node's launcher sends them to the
+launcher, which publishes one :class:`~phalanx.schemas.NodeDigest` per interval
+with each local worker's latest heartbeat and its age
+(:meth:`Detector.observe_digest`; 2,000 digests instead of 16,000 heartbeats per
+interval at 2,000 nodes x 8 ranks).
 
 Three ways a worker is judged faulty:
 
@@ -19,6 +27,16 @@ Three ways a worker is judged faulty:
   elapsed time at which phi will reach the threshold (``mu + pause + z*sigma``,
   ``z = Phi^-1(1 - 10^-threshold)``), and the resulting deadline goes into a heap:
   a tick costs O(expired). ``fault_at`` is the arrival of the last heartbeat.
+
+  A digest entry whose ``seq`` moved on is an observation dated ``arrival -
+  age_ms``; its inter-arrival sample is divided by the ``seq`` advance (so a
+  heartbeat that fell between two digests does not look like a long gap). The
+  evidence of a heartbeat reaches the detector only with the node's next digest,
+  up to one digest interval ``D`` later; a digest-carried worker's deadline gets
+  a slack of ``digest_slack_ratio x D`` (0.5) plus ``D - mu`` when it heartbeats
+  faster than its node digests. A hung rank in a live node is still found
+  within 3 heartbeat intervals (``~2.3 + 0.5``) when ``D`` is the heartbeat
+  interval.
 - **step stall** (:meth:`Detector.tick`): heartbeats continue, but the rank has
   been in phase ``COMPUTE`` without completing a step for longer than a bound
   learned from its recent step times: ``max(stall_floor, stall_factor *
@@ -26,6 +44,17 @@ Three ways a worker is judged faulty:
   ``COLLECTIVE`` ranks are victims waiting on a stalled peer and are never judged
   by this rule; nor are ``IDLE`` spares or ``STARTING``/``RECOVERING`` ranks.
   ``fault_at`` is when the stalled phase (or the step in it) began.
+
+A whole node is judged by the same phi-accrual machinery over the arrivals of
+its digests, per ``(job, node, launcher)``: when they stop, one
+:class:`NodeIncident` (``NodeLost``, ``heartbeat_lost``, id
+``<job>:node:<node>:<launcher>``, ``fault_at`` the last digest's arrival) names
+the workers of its last digest and closes their incarnations, so none of them
+gets a ``RankHung`` of its own for the same silence: a worker whose deadline
+passes while its node's digest is overdue waits for the node's verdict (or for
+the next digest, which decides). Later digests of a lost launcher are ignored (a
+partitioned node that reconnects does not come back). A node whose last digest
+listed no worker is forgotten silently (a launcher that finished).
 
 An incident belongs to one process incarnation, ``(job, worker, pid)``; its id
 :func:`incident_id` is deterministic, so a second path to the same fault (an exit
@@ -49,6 +78,11 @@ the hold, and inter-arrival samples that span a hold are not learned.
 >>> clock.advance(0.5)
 >>> [(i.worker, i.cause.value) for i in det.tick()]
 [('w0', 'heartbeat_lost')]
+>>> for seq in range(20):
+...     _ = det.observe_digest(_example_digest(seq)); clock.advance(0.1)
+>>> clock.advance(0.5)
+>>> [(i.id, i.cause.value) for i in det.tick()]
+[('j1:node:n0:l0', 'heartbeat_lost')]
 """
 
 from __future__ import annotations
@@ -64,9 +98,12 @@ from enum import Enum
 from statistics import NormalDist
 
 from phalanx.schemas import (
+    DigestEntry,
     Evidence,
     FaultCause,
     Heartbeat,
+    NodeDigest,
+    NodeLost,
     Phase,
     Plan,
     RankExited,
@@ -81,8 +118,11 @@ __all__ = [
     "FakeClock",
     "Incident",
     "IntervalWindow",
+    "NodeIncident",
     "Stats",
+    "Verdict",
     "incident_id",
+    "node_incident_id",
     "phi",
     "phi_threshold_z",
 ]
@@ -102,6 +142,15 @@ def incident_id(job: str, worker: str, pid: int) -> str:
     'j1:w3:4242'
     """
     return f"{job}:{worker}:{pid}"
+
+
+def node_incident_id(job: str, node: str, launcher: str) -> str:
+    """The stable id of the incident of one node's launcher.
+
+    >>> node_incident_id("j1", "node-b", "7001")
+    'j1:node:node-b:7001'
+    """
+    return f"{job}:node:{node}:{launcher}"
 
 
 def phi_threshold_z(threshold: float) -> float:
@@ -171,6 +220,15 @@ class IntervalWindow:
     def mean(self) -> float:
         return self._sum / len(self._samples) if self._samples else 0.0
 
+    def mean_std(self) -> tuple[float, float]:
+        """(mean, std) in one go (the detector's hot path)."""
+        n = len(self._samples)
+        if n < 2:
+            return self.mean, 0.0
+        m = self._sum / n
+        var = self._sumsq / n - m * m
+        return m, math.sqrt(var) if var > 0.0 else 0.0
+
     @property
     def std(self) -> float:
         """Population standard deviation (0 for fewer than two samples)."""
@@ -206,6 +264,9 @@ class DetectorConfig:
     stall_initial_s: float = 60.0
     """Stall bound before the rank has reported any completed step."""
     step_window: int = 20
+    digest_slack_ratio: float = 0.5
+    """Added to a digest-carried worker's silence deadline, as a fraction of its
+    node's digest interval: a heartbeat is seen only with the node's next digest."""
     closed_capacity: int = 100_000
     """Closed incarnations remembered (to drop their late heartbeats and repeated exits)."""
 
@@ -213,7 +274,12 @@ class DetectorConfig:
         phi_threshold_z(self.phi_threshold)
         if self.window < 2 or self.step_window < 1 or self.min_samples < 2:
             raise ValueError("window >= 2, step_window >= 1 and min_samples >= 2 are required")
-        if self.min_std_ratio < 0 or self.min_std_s <= 0 or self.pause_ratio < 0:
+        if (
+            self.min_std_ratio < 0
+            or self.min_std_s <= 0
+            or self.pause_ratio < 0
+            or self.digest_slack_ratio < 0
+        ):
             raise ValueError("std floors must be positive and pause_ratio non-negative")
         if self.stall_floor_s <= 0 or self.stall_factor <= 0 or self.stall_initial_s <= 0:
             raise ValueError("stall bounds must be positive")
@@ -252,22 +318,49 @@ class Incident:
         )
 
 
+@dataclass(frozen=True)
+class NodeIncident:
+    """One verdict about one node's launcher: its digests stopped."""
+
+    job: str
+    node: str
+    launcher: str
+    workers: tuple[str, ...]
+    fault_at: float
+    """Wall-clock arrival of the node's last digest."""
+    evidence: Evidence = field(default_factory=dict)
+    cause: FaultCause = FaultCause.HEARTBEAT_LOST
+
+    @property
+    def id(self) -> str:
+        return node_incident_id(self.job, self.node, self.launcher)
+
+    def to_event(self) -> NodeLost:
+        return NodeLost(
+            job=self.job,
+            incident=self.id,
+            node=self.node,
+            workers=list(self.workers),
+            cause=self.cause,
+            fault_at=self.fault_at,
+            evidence=dict(self.evidence),
+        )
+
+
+Verdict = Incident | NodeIncident
+
+
 class _Kind(Enum):
     SILENCE = 0
     STALL = 1
+    NODE = 2
 
 
-@dataclass(eq=False)
-class _Worker:
-    """What the detector knows about one live incarnation of a worker."""
+@dataclass(eq=False, kw_only=True)
+class _Beat:
+    """Arrivals of something that heartbeats (a worker, a node) and its silence deadline."""
 
-    job: str
-    worker: str
-    pid: int
-    host: str
     token: int
-    rank: int
-    generation: int
     declared_s: float
     last_arrival: float
     last_wall: float
@@ -278,11 +371,47 @@ class _Worker:
     """The sigma used (floored)."""
     threshold_s: float = 0.0
     """Silence (from the last heartbeat or the end of a hold) at which phi crosses the threshold."""
+    slack_s: float = 0.0
+    """Added to the threshold: how late evidence may arrive beyond the sender's own rhythm."""
     silence_at: float | None = None
     """When the live heap entry for silence fires."""
+
+
+@dataclass(eq=False, kw_only=True)
+class _Node(_Beat):
+    """What the detector knows about one node's launcher."""
+
+    job: str
+    node: str
+    launcher: str
+    host: str
+    workers: list[tuple[str, int]] = field(default_factory=list)
+    """(worker, pid) of the last digest's entries (DONE ones left out)."""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.job, self.node)
+
+
+@dataclass(eq=False, kw_only=True)
+class _Worker(_Beat):
+    """What the detector knows about one live incarnation of a worker."""
+
+    job: str
+    worker: str
+    pid: int
+    host: str
+    rank: int
+    generation: int
+    node: tuple[str, str] | None = None
+    """(job, node) whose digests carry this worker; None for a worker heard directly."""
+    digest_s: float = 0.0
+    """That node's digest interval."""
     step: int = 0
     step_ms: float = 0.0
     steps: deque[float] = field(default_factory=deque)
+    max_step_ms: float = 0.0
+    """max(steps), kept as steps come and go (read on every heartbeat in COMPUTE)."""
     phase: Phase = Phase.STARTING
     phase_ms: float = 0.0
     phase_start: float = 0.0
@@ -324,6 +453,14 @@ class Stats:
     """Exit reports for closed incarnations (a duplicate, or after another verdict)."""
     stale_plans: int = 0
     holds: int = 0
+    digests: int = 0
+    ignored_digests: int = 0
+    """Repeated/out-of-order digests, or from a launcher already judged lost."""
+    digest_entries: int = 0
+    """Digest entries that carried a new heartbeat (each counts as a heartbeat too)."""
+    nodes_lost: int = 0
+    nodes_left: int = 0
+    """Nodes that fell silent with no worker in their last digest: forgotten, no verdict."""
 
 
 class Detector:
@@ -345,7 +482,9 @@ class Detector:
         self.wall = wall
         self.stats = Stats()
         self._z = phi_threshold_z(self.config.phi_threshold)
+        self._pause = 1.0 + self.config.pause_ratio
         self._tracked: dict[tuple[str, str], _Worker] = {}
+        self._nodes: dict[tuple[str, str], _Node] = {}
         self._heap: list[tuple[float, int, _Kind, tuple[str, str], int]] = []
         self._counter = itertools.count()
         self._tokens = itertools.count(1)
@@ -365,6 +504,26 @@ class Detector:
     def is_closed(self, job: str, worker: str, pid: int) -> bool:
         return incident_id(job, worker, pid) in self._closed
 
+    def nodes(self) -> Iterator[tuple[str, str, str]]:
+        """(job, node, launcher) of every tracked node."""
+        return ((n.job, n.node, n.launcher) for n in self._nodes.values())
+
+    def node_snapshot(self, job: str, node: str) -> dict[str, float | int | str] | None:
+        """What is known of a tracked node, for health output and tests."""
+        n = self._nodes.get((job, node))
+        if n is None:
+            return None
+        return {
+            "launcher": n.launcher,
+            "last_seq": n.last_seq,
+            "samples": len(n.intervals),
+            "mean_ms": n.mean_s * 1e3,
+            "std_ms": n.std_s * 1e3,
+            "threshold_ms": n.threshold_s * 1e3,
+            "workers": len(n.workers),
+            "phi": self._phi_now(n, self.clock()),
+        }
+
     def snapshot(self, job: str, worker: str) -> dict[str, float | int | str] | None:
         """What is known of a tracked worker, for health output and tests."""
         w = self._tracked.get((job, worker))
@@ -380,6 +539,8 @@ class Detector:
             "mean_ms": w.mean_s * 1e3,
             "std_ms": w.std_s * 1e3,
             "threshold_ms": w.threshold_s * 1e3,
+            "slack_ms": w.slack_s * 1e3,
+            "node": w.node[1] if w.node else "",
             "phase": w.phase.value,
             "step": w.step,
             "stall_ms": (now - w.stall_since[0]) * 1e3,
@@ -402,18 +563,16 @@ class Detector:
         key = (hb.job, hb.worker)
         w = self._tracked.get(key)
         if hb.phase is Phase.DONE:  # a clean goodbye: the silence that follows is no fault
-            iid = incident_id(hb.job, hb.worker, hb.pid)
-            if iid not in self._closed:
-                self.stats.clean_exits += 1
-                self._close(iid, "leaving")
-            if w is not None and w.pid == hb.pid:
-                del self._tracked[key]
+            self._goodbye(hb.job, hb.worker, hb.pid)
             return True
         if w is None or w.pid != hb.pid:
             if incident_id(hb.job, hb.worker, hb.pid) in self._closed:
                 self.stats.ignored_heartbeats += 1
                 return False
-            w = self._new_worker(hb, now)
+            w = self._new_worker(
+                hb.job, hb.worker, hb.pid, hb.host, hb.rank, hb.generation, hb.step, hb.seq,
+                hb.interval_ms / 1e3, now, self.wall(),
+            )  # fmt: skip
             fresh = True
         elif hb.seq <= w.last_seq:
             self.stats.ignored_heartbeats += 1
@@ -426,8 +585,58 @@ class Detector:
             fresh = False
         self.stats.heartbeats += 1
         w.rank, w.generation, w.host = hb.rank, hb.generation, hb.host
-        self._learn_progress(w, hb, now, fresh)
-        self._schedule(w, now)
+        self._learn_progress(w, hb.phase, hb.phase_ms, hb.step, hb.step_ms, now, hb.ts, fresh)
+        self._schedule(w)
+        return True
+
+    def observe_digest(self, d: NodeDigest) -> bool:
+        """Learn from one node's digest (the node is alive, and so is each worker whose
+        entry moved on); returns False when it was ignored: a repeated or out-of-order
+        ``seq``, or a launcher already judged lost."""
+        now, wall = self.clock(), self.wall()
+        key = (d.job, d.node)
+        if node_incident_id(d.job, d.node, d.launcher) in self._closed:
+            self.stats.ignored_digests += 1
+            return False
+        n = self._nodes.get(key)
+        interval = d.interval_ms / 1e3
+        if n is None or n.launcher != d.launcher:
+            if n is not None:  # a new launcher on the node: the old one is gone for good
+                self._close(node_incident_id(n.job, n.node, n.launcher), "replaced")
+            n = _Node(
+                token=next(self._tokens),
+                declared_s=interval,
+                last_arrival=now,
+                last_wall=wall,
+                last_seq=d.seq,
+                intervals=IntervalWindow(self.config.window),
+                job=d.job,
+                node=d.node,
+                launcher=d.launcher,
+                host=d.host,
+            )
+            self._nodes[key] = n
+        elif d.seq <= n.last_seq:
+            self.stats.ignored_digests += 1
+            return False
+        else:
+            if n.last_arrival >= self._hold_until:
+                n.intervals.add(now - n.last_arrival)
+            n.last_arrival, n.last_wall, n.last_seq = now, wall, d.seq
+            n.declared_s = interval
+        self.stats.digests += 1
+        n.host = d.host
+        listed = {(e.worker, e.pid) for e in d.entries}
+        for worker, pid in n.workers:
+            w = self._tracked.get((d.job, worker))
+            if (worker, pid) not in listed and w is not None and w.pid == pid and w.node == n.key:
+                # The launcher forgets a worker once its process has ended: not a silence.
+                # A crash is judged by the launcher's exit report, which still finds no verdict.
+                del self._tracked[w.key]
+        n.workers = [(e.worker, e.pid) for e in d.entries if e.phase is not Phase.DONE]
+        self._schedule(n)
+        for e in d.entries:  # a worker's own interval when the launcher knows it
+            self._observe_entry(n, e, e.interval_ms / 1e3 or interval, interval, now, wall)
         return True
 
     def on_exit(self, ex: RankExited) -> Incident | None:
@@ -452,6 +661,8 @@ class Detector:
         if ex.signal is not None:
             evidence["signal"] = ex.signal
         if w is not None:
+            if w.node is not None:
+                evidence["node"] = w.node[1]
             evidence.update(
                 last_seq=w.last_seq,
                 step=w.step,
@@ -503,16 +714,20 @@ class Detector:
         """
         return self._top_expired(self.clock()) is not None
 
-    def tick(self) -> list[Incident]:
+    def tick(self) -> list[Verdict]:
         """Every verdict whose time has come, in deadline order. O(expired)."""
         now = self.clock()
-        out: list[Incident] = []
+        out: list[Verdict] = []
         while (entry := self._top_expired(now)) is not None:
             heapq.heappop(self._heap)
-            kind, w = entry
-            out.append(
-                self._silence_verdict(w, now) if kind is _Kind.SILENCE else self._stall_verdict(w, now)
-            )
+            kind, b = entry
+            if isinstance(b, _Node):
+                if (lost := self._node_verdict(b, now)) is not None:
+                    out.append(lost)
+            elif kind is _Kind.SILENCE:
+                out.append(self._silence_verdict(b, now))
+            else:
+                out.append(self._stall_verdict(b, now))
         return out
 
     def stall_bound(self, w: _Worker) -> float:
@@ -520,74 +735,163 @@ class Detector:
         c = self.config
         if not w.steps:
             return max(c.stall_floor_s, c.stall_initial_s)
-        return max(c.stall_floor_s, c.stall_factor * max(w.steps) / 1e3)
+        return max(c.stall_floor_s, c.stall_factor * w.max_step_ms / 1e3)
 
     # -- internals -----------------------------------------------------------------
-    def _new_worker(self, hb: Heartbeat, now: float) -> _Worker:
+    def _goodbye(self, job: str, worker: str, pid: int) -> None:
+        iid = incident_id(job, worker, pid)
+        if iid not in self._closed:
+            self.stats.clean_exits += 1
+            self._close(iid, "leaving")
+        w = self._tracked.get((job, worker))
+        if w is not None and w.pid == pid:
+            del self._tracked[w.key]
+
+    def _observe_entry(
+        self, n: _Node, e: DigestEntry, interval: float, digest_s: float, now: float, wall: float
+    ) -> None:
+        if e.phase is Phase.DONE:
+            self._goodbye(n.job, e.worker, e.pid)
+            return
+        w = self._tracked.get((n.job, e.worker))
+        age = e.age_ms / 1e3
+        at, at_wall = now - age, wall - age  # when the launcher received the heartbeat
+        if w is None or w.pid != e.pid:
+            if incident_id(n.job, e.worker, e.pid) in self._closed:
+                return
+            w = self._new_worker(
+                n.job, e.worker, e.pid, n.host, e.rank, e.generation, e.step, e.seq, interval, at, at_wall
+            )
+            fresh = True
+        elif e.seq <= w.last_seq:  # no news; a verdict deferred while the node was silent is due again
+            if w.silence_at is not None and self._silence_deadline(w) < w.silence_at:
+                w.silence_at = None
+                self._schedule(w)
+            return
+        else:
+            if w.last_arrival >= self._hold_until:  # one sample per heartbeat the entry moved on by
+                w.intervals.add(max(0.0, at - w.last_arrival) / (e.seq - w.last_seq))
+            w.last_arrival, w.last_wall, w.last_seq = max(w.last_arrival, at), at_wall, e.seq
+            w.declared_s = interval
+            fresh = False
+        self.stats.heartbeats += 1
+        self.stats.digest_entries += 1
+        w.node, w.digest_s = n.key, digest_s
+        w.rank, w.generation, w.host = e.rank, e.generation, n.host
+        self._learn_progress(w, e.phase, e.phase_ms, e.step, e.step_ms, at, at_wall, fresh)
+        self._schedule(w)
+
+    def _new_worker(
+        self,
+        job: str,
+        worker: str,
+        pid: int,
+        host: str,
+        rank: int,
+        generation: int,
+        step: int,
+        seq: int,
+        declared_s: float,
+        at: float,
+        at_wall: float,
+    ) -> _Worker:
         w = _Worker(
-            job=hb.job,
-            worker=hb.worker,
-            pid=hb.pid,
-            host=hb.host,
+            job=job,
+            worker=worker,
+            pid=pid,
+            host=host,
             token=next(self._tokens),
-            rank=hb.rank,
-            generation=hb.generation,
-            declared_s=hb.interval_ms / 1e3,
-            last_arrival=now,
-            last_wall=self.wall(),
-            last_seq=hb.seq,
+            rank=rank,
+            generation=generation,
+            declared_s=declared_s,
+            last_arrival=at,
+            last_wall=at_wall,
+            last_seq=seq,
             intervals=IntervalWindow(self.config.window),
             steps=deque(maxlen=self.config.step_window),
-            step=hb.step,
+            step=step,
         )
         self._tracked[w.key] = w
         return w
 
-    def _learn_progress(self, w: _Worker, hb: Heartbeat, now: float, fresh: bool) -> None:
+    def _learn_progress(
+        self,
+        w: _Worker,
+        phase: Phase,
+        phase_ms: float,
+        step: int,
+        step_ms: float,
+        at: float,
+        at_wall: float,
+        fresh: bool,
+    ) -> None:
         # A new phase, or the same one entered again between two heartbeats.
-        if fresh or hb.phase is not w.phase or hb.phase_ms < w.phase_ms:
-            w.phase = hb.phase
-            w.phase_start = now - hb.phase_ms / 1e3
-            w.phase_start_wall = hb.ts - hb.phase_ms / 1e3
-        w.phase_ms = hb.phase_ms
-        if hb.step > w.step:
-            if hb.step_ms > 0:
-                w.steps.append(hb.step_ms)
-            w.progress_at, w.progress_wall = now, hb.ts
-        w.step, w.step_ms = hb.step, hb.step_ms
+        if fresh or phase is not w.phase or phase_ms < w.phase_ms:
+            w.phase = phase
+            w.phase_start = at - phase_ms / 1e3
+            w.phase_start_wall = at_wall - phase_ms / 1e3
+        w.phase_ms = phase_ms
+        if step > w.step:
+            if step_ms > 0:
+                evicted = w.steps[0] if len(w.steps) == w.steps.maxlen else 0.0
+                w.steps.append(step_ms)
+                if step_ms >= w.max_step_ms:
+                    w.max_step_ms = step_ms
+                elif evicted >= w.max_step_ms:
+                    w.max_step_ms = max(w.steps)
+            w.progress_at, w.progress_wall = at, at_wall
+        w.step, w.step_ms = step, step_ms
 
-    def _estimate(self, w: _Worker) -> tuple[float, float]:
+    def _estimate(self, w: _Beat) -> tuple[float, float]:
         """(mean, floored sigma) of the inter-arrival time."""
         c = self.config
-        n = len(w.intervals)
+        iv = w.intervals
+        n = len(iv)
         if n < c.min_samples:  # not enough evidence yet: trust the declared interval, widely
-            mean = max(w.declared_s, w.intervals.mean)
+            mean = max(w.declared_s, iv.mean)
             return mean, max(mean / 4.0, c.min_std_ratio * mean, c.min_std_s)
-        mean = w.intervals.mean
-        return mean, max(w.intervals.std, c.min_std_ratio * mean, c.min_std_s)
+        mean, std = iv.mean_std()
+        floor = c.min_std_ratio * mean
+        floor = floor if floor > c.min_std_s else c.min_std_s
+        return mean, std if std > floor else floor
 
-    def _schedule(self, w: _Worker, now: float) -> None:
+    def _schedule(self, w: _Worker | _Node) -> None:
+        # hot path (every heartbeat and digest entry): plain comparisons, no helpers
         mean, std = self._estimate(w)
         w.mean_s, w.std_s = mean, std
-        w.threshold_s = mean * (1.0 + self.config.pause_ratio) + self._z * std
-        at = self._silence_deadline(w)
+        w.threshold_s = threshold = mean * self._pause + self._z * std
+        if isinstance(w, _Worker) and w.node is not None:
+            # seen only with the next digest: up to one digest interval late, more
+            # when the worker heartbeats faster than its node digests
+            gap = w.digest_s - mean
+            w.slack_s = self.config.digest_slack_ratio * w.digest_s + (gap if gap > 0.0 else 0.0)
+        last = w.last_arrival
+        at = (last if last > self._hold_until else self._hold_until) + threshold + w.slack_s
         if w.silence_at is None or at < w.silence_at:
             w.silence_at = at
-            self._push(at, _Kind.SILENCE, w)
-        if w.phase is Phase.COMPUTE:
+            self._push(at, _Kind.NODE if isinstance(w, _Node) else _Kind.SILENCE, w)
+        if isinstance(w, _Worker) and w.phase is Phase.COMPUTE:
             since, _ = w.stall_since
             at = since + self.stall_bound(w)
             if w.stall_at is None or at < w.stall_at:
                 w.stall_at = at
                 self._push(at, _Kind.STALL, w)
 
-    def _silence_deadline(self, w: _Worker) -> float:
-        return max(w.last_arrival, self._hold_until) + w.threshold_s
+    def _silence_deadline(self, w: _Beat) -> float:
+        return max(w.last_arrival, self._hold_until) + w.threshold_s + w.slack_s
 
-    def _push(self, at: float, kind: _Kind, w: _Worker) -> None:
+    def _push(self, at: float, kind: _Kind, w: _Worker | _Node) -> None:
         heapq.heappush(self._heap, (at, next(self._counter), kind, w.key, w.token))
 
-    def _top_expired(self, now: float) -> tuple[_Kind, _Worker] | None:
+    def _node_overdue(self, w: _Worker, now: float) -> _Node | None:
+        """The node that carries ``w``, if its next digest is overdue (it may be lost)."""
+        n = self._nodes.get(w.node) if w.node is not None else None
+        if n is None:
+            return None
+        expected = max(n.last_arrival, self._hold_until) + n.mean_s * (1.0 + self.config.pause_ratio)
+        return n if now > expected else None
+
+    def _top_expired(self, now: float) -> tuple[_Kind, _Worker | _Node] | None:
         """Tidy the heap top until it is a real expiry (returned) or in the future.
 
         A heap entry is live if its worker incarnation is still tracked and it is
@@ -597,37 +901,44 @@ class Detector:
         heap = self._heap
         while heap and heap[0][0] <= now:
             at, _, kind, key, token = heap[0]
-            w = self._tracked.get(key)
+            w: _Worker | _Node | None = self._nodes.get(key) if kind is _Kind.NODE else self._tracked.get(key)
             live = (
                 w is not None
                 and w.token == token
-                and (w.silence_at == at if kind is _Kind.SILENCE else w.stall_at == at)
+                and (
+                    w.stall_at == at if isinstance(w, _Worker) and kind is _Kind.STALL else w.silence_at == at
+                )
             )
             if not live or w is None:
                 heapq.heappop(heap)
                 continue
             if now < self._hold_until:
                 return None
-            if kind is _Kind.SILENCE:
+            if kind is not _Kind.STALL:
                 real: float | None = self._silence_deadline(w)
-            elif w.phase is not Phase.COMPUTE:
+            elif not isinstance(w, _Worker) or w.phase is not Phase.COMPUTE:
                 real = None
             elif w.last_arrival < self._hold_until:
                 real = now + w.declared_s  # wait for a heartbeat after the hold to confirm
             else:
                 real = w.stall_since[0] + self.stall_bound(w)
+            if real is not None and real <= now and isinstance(w, _Worker):
+                node = self._node_overdue(w, now)
+                if node is not None:  # no news of the node either: its verdict (or next digest) decides
+                    real = max(self._silence_deadline(node), now + 1e-3)
             if real is not None and real <= now:
                 return kind, w
             heapq.heappop(heap)
-            if kind is _Kind.SILENCE:
-                w.silence_at = real
-            else:
+            if kind is _Kind.STALL:
+                assert isinstance(w, _Worker)
                 w.stall_at = real
+            else:
+                w.silence_at = real
             if real is not None:
                 self._push(real, kind, w)
         return None
 
-    def _phi_now(self, w: _Worker, now: float) -> float:
+    def _phi_now(self, w: _Beat, now: float) -> float:
         elapsed = now - max(w.last_arrival, self._hold_until)
         return round(phi(elapsed, w.mean_s * (1.0 + self.config.pause_ratio), w.std_s), 2)
 
@@ -638,6 +949,7 @@ class Detector:
             "threshold": self.config.phi_threshold,
             "elapsed_ms": round((now - w.last_arrival) * 1e3, 1),
             "threshold_ms": round(w.threshold_s * 1e3, 1),
+            "slack_ms": round(w.slack_s * 1e3, 1),
             "mean_interval_ms": round(w.mean_s * 1e3, 2),
             "std_interval_ms": round(w.std_s * 1e3, 2),
             "raw_std_interval_ms": round(w.intervals.std * 1e3, 2),
@@ -648,12 +960,46 @@ class Detector:
             "phase": w.phase.value,
             "host": w.host,
         }
+        if w.node is not None:
+            evidence["node"] = w.node[1]
         return self._verdict(
             Incident(
                 w.job, w.worker, w.pid, rank, generation, FaultCause.HEARTBEAT_LOST, w.last_wall, evidence
             ),
             w,
         )
+
+    def _node_verdict(self, n: _Node, now: float) -> NodeIncident | None:
+        """NodeLost for a silent node with workers (closing them); None for an empty one."""
+        del self._nodes[n.key]
+        iid = node_incident_id(n.job, n.node, n.launcher)
+        if not n.workers:
+            self.stats.nodes_left += 1
+            self._close(iid, "left")
+            return None
+        for worker, pid in n.workers:  # lost with the node: no RankHung of their own
+            w = self._tracked.get((n.job, worker))
+            if w is not None and w.pid == pid:
+                del self._tracked[w.key]
+            self._close(incident_id(n.job, worker, pid), "node_lost")
+        evidence: Evidence = {
+            "phi": self._phi_now(n, now),
+            "threshold": self.config.phi_threshold,
+            "elapsed_ms": round((now - n.last_arrival) * 1e3, 1),
+            "threshold_ms": round(n.threshold_s * 1e3, 1),
+            "mean_interval_ms": round(n.mean_s * 1e3, 2),
+            "std_interval_ms": round(n.std_s * 1e3, 2),
+            "samples": len(n.intervals),
+            "declared_interval_ms": round(n.declared_s * 1e3, 1),
+            "last_seq": n.last_seq,
+            "launcher": n.launcher,
+            "host": n.host,
+            "workers": len(n.workers),
+        }
+        self._close(iid, FaultCause.HEARTBEAT_LOST.value)
+        self.stats.incidents += 1
+        self.stats.nodes_lost += 1
+        return NodeIncident(n.job, n.node, n.launcher, tuple(w for w, _ in n.workers), n.last_wall, evidence)
 
     def _stall_verdict(self, w: _Worker, now: float) -> Incident:
         rank, generation = self._rank_of(w.job, w.worker, w)
@@ -740,3 +1086,21 @@ def _example_heartbeat(seq: int, **kw: object) -> Heartbeat:
     )
     fields.update(kw)
     return Heartbeat.model_validate(fields)
+
+
+def _example_digest(seq: int) -> NodeDigest:
+    entry = DigestEntry(
+        worker="n0-w0",
+        pid=200,
+        seq=seq,
+        rank=0,
+        generation=1,
+        step=seq,
+        step_ms=50.0,
+        phase=Phase.COLLECTIVE,
+        phase_ms=1.0,
+        age_ms=30.0,
+    )
+    return NodeDigest(
+        job="j1", node="n0", launcher="l0", host="h", seq=seq, interval_ms=100.0, entries=[entry]
+    )

@@ -2,8 +2,12 @@
 
 It listens to
 
-- heartbeats, ``phalanx.hb.<job>.<worker>`` (core NATS, untraced, every rank and
-  spare every interval);
+- heartbeats, ``phalanx.hb.<job>.<worker>`` (core NATS, untraced, every interval
+  from each rank and spare that runs without a node launcher);
+- node digests, ``phalanx.node.<job>.<node>`` (core NATS, untraced, every interval
+  from each node's launcher: the node is alive, plus each local worker's latest
+  heartbeat and its age; 2,000 digests instead of 16,000 heartbeats per interval
+  at 2,000 nodes x 8 ranks);
 - process exits, ``phalanx.evt.<job>.exited`` (JetStream, durable consumer
   ``failure-detector-exits``: the launcher's fast crash path);
 - plans, ``phalanx.cmd.<job>.plan`` (JetStream, durable consumer
@@ -13,7 +17,10 @@ and publishes one verdict per incident: :class:`~phalanx.schemas.RankFailed` on
 ``phalanx.evt.<job>.failed`` (a process exited non-zero or by a signal) or
 :class:`~phalanx.schemas.RankHung` on ``phalanx.evt.<job>.hung`` (heartbeats lost,
 or a step stall), with the incident id ``<job>:<worker>:<pid>`` as
-``Nats-Msg-Id``, so a detector restart or a second path never makes a second event.
+``Nats-Msg-Id``, so a detector restart or a second path never makes a second event;
+and :class:`~phalanx.schemas.NodeLost` on ``phalanx.evt.<job>.node_lost`` when a
+node's digests stop (id ``<job>:node:<node>:<launcher>``; its workers get no
+``RankHung`` of their own for that silence).
 
 Each verdict opens a new trace: a root span ``detect`` that starts at the
 inferred fault time, links to the message that triggered it (an exit report),
@@ -21,7 +28,7 @@ and ends once the event is stored; the event carries that trace downstream.
 
 A tick loop asks the detector for expired deadlines. Before it judges, it makes
 sure every heartbeat the server already sent has been observed (a PING/PONG
-round trip, then the subscription's queue drained), so a detector that was
+round trip, then the subscriptions' queues drained), so a detector that was
 itself slow does not blame the ranks. While disconnected from NATS, or after its
 own event loop stalled, it holds all verdicts (:meth:`Detector.hold`).
 
@@ -38,6 +45,9 @@ Configuration (environment; a bad value stops start-up with a ValueError):
 - ``PHALANX_DETECTOR_PAUSE_RATIO`` (0.15): acceptable pause added to the mean,
   as a fraction of it. With these defaults a regular sender is declared lost
   about 2.3 intervals after its last heartbeat.
+- ``PHALANX_DETECTOR_DIGEST_SLACK`` (0.5): added to the silence deadline of a
+  worker whose heartbeats come in node digests, as a fraction of the digest
+  interval (a heartbeat is seen only with the node's next digest).
 - ``PHALANX_STALL_FLOOR_MS`` (5000), ``PHALANX_STALL_FACTOR`` (4): a rank stalls
   after ``max(floor, factor x max recent step_ms)`` in COMPUTE without a step;
   ``PHALANX_STALL_INITIAL_MS`` (60000) before it has completed any step.
@@ -66,11 +76,17 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind
-from phalanx.services.failure_detector.detector import Clock, Detector, DetectorConfig, Incident
+from phalanx.services.failure_detector.detector import (
+    Clock,
+    Detector,
+    DetectorConfig,
+    NodeIncident,
+    Verdict,
+)
 
 from phalanx.bus import COMMANDS, EVENTS, Bus
-from phalanx.bus.subjects import EXITED, FAILED, HEARTBEAT, HUNG, PLAN
-from phalanx.schemas import DecodeError, Heartbeat, Message, Plan, RankExited, RankFailed
+from phalanx.bus.subjects import EXITED, FAILED, HEARTBEAT, HUNG, NODE_DIGEST, NODE_LOST, PLAN, Subject
+from phalanx.schemas import DecodeError, FaultCause, Heartbeat, Message, NodeDigest, Plan, RankExited
 from phalanx.service import Service
 from phalanx.telemetry import extract_context
 
@@ -135,6 +151,7 @@ class ServiceConfig:
             min_std_ratio=_num(e, "PHALANX_DETECTOR_MIN_STD_RATIO", d.min_std_ratio),
             min_std_s=_num(e, "PHALANX_DETECTOR_MIN_STD_MS", d.min_std_s * 1e3) / 1e3,
             pause_ratio=_num(e, "PHALANX_DETECTOR_PAUSE_RATIO", d.pause_ratio),
+            digest_slack_ratio=_num(e, "PHALANX_DETECTOR_DIGEST_SLACK", d.digest_slack_ratio),
             stall_floor_s=_num(e, "PHALANX_STALL_FLOOR_MS", d.stall_floor_s * 1e3) / 1e3,
             stall_factor=_num(e, "PHALANX_STALL_FACTOR", d.stall_factor),
             stall_initial_s=_num(e, "PHALANX_STALL_INITIAL_MS", d.stall_initial_s * 1e3) / 1e3,
@@ -154,7 +171,7 @@ class ServiceConfig:
 
 
 class FailureDetector(Service):
-    """Heartbeats, exits and plans in; one RankFailed/RankHung per incident out.
+    """Heartbeats, digests, exits and plans in; one RankFailed/RankHung/NodeLost per incident out.
 
     ``run_service(FailureDetector)`` runs it with the configuration from the
     environment; tests build one directly::
@@ -186,6 +203,7 @@ class FailureDetector(Service):
         self.backlog_holds = 0
         self.ticks = 0
         self._hb_sub: Any = None
+        self._digest_sub: Any = None
         self._tick_task: asyncio.Task[None] | None = None
         self._reports: set[asyncio.Task[None]] = set()
 
@@ -196,6 +214,9 @@ class FailureDetector(Service):
         suffix = f"-{cfg.job}" if cfg.job else ""
         self._hb_sub = await self.bus.subscribe(
             HEARTBEAT.wildcard(**tokens), self._on_heartbeat, Heartbeat, trace_messages=False
+        )
+        self._digest_sub = await self.bus.subscribe(
+            NODE_DIGEST.wildcard(**tokens), self._on_digest, NodeDigest, trace_messages=False
         )
         self.bus.consume(
             EVENTS,
@@ -225,20 +246,27 @@ class FailureDetector(Service):
             _, pending = await asyncio.wait(set(self._reports), timeout=5.0)
             for t in pending:
                 t.cancel()
-        if self._hb_sub is not None:
-            with contextlib.suppress(Exception):
-                await self._hb_sub.unsubscribe()
+        for sub in (self._hb_sub, self._digest_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
     def health_details(self) -> dict[str, str | int | float | bool]:
         s = self.detector.stats
         return {
             "tracked_workers": len(self.detector),
+            "tracked_nodes": sum(1 for _ in self.detector.nodes()),
             "incidents_reported": self.reported,
             "incidents_decided": s.incidents,
             "pending_reports": len(self._reports),
             "decode_errors": self.bus.decode_errors,
             "heartbeats": s.heartbeats,
             "ignored_heartbeats": s.ignored_heartbeats,
+            "digests": s.digests,
+            "digest_entries": s.digest_entries,
+            "ignored_digests": s.ignored_digests,
+            "nodes_lost": s.nodes_lost,
+            "nodes_left": s.nodes_left,
             "clean_exits": s.clean_exits,
             "repeated_exits": s.repeated_exits,
             "stale_exits": self.stale_exits,
@@ -261,6 +289,13 @@ class FailureDetector(Service):
             await self._refuse(raw, hb, f"heartbeat of {hb.job}/{hb.worker} on {raw.subject}")
             return
         self.detector.observe(hb)
+
+    async def _on_digest(self, d: NodeDigest, raw: Msg) -> None:
+        parts = raw.subject.split(".")
+        if parts[2:] != [d.job, d.node]:
+            await self._refuse(raw, d, f"digest of {d.job}/{d.node} on {raw.subject}")
+            return
+        self.detector.observe_digest(d)
 
     async def _on_exit(self, msg: Message, raw: Msg) -> None:
         if not isinstance(msg, RankExited):  # the bus already refuses other kinds
@@ -330,11 +365,11 @@ class FailureDetector(Service):
                 self.log.exception("tick_failed", error=repr(exc))
 
     async def _caught_up(self) -> bool:
-        """Whether every heartbeat the server sent so far has been observed.
+        """Whether every heartbeat and digest the server sent so far has been observed.
 
         The PONG to a PING comes after every message the server sent before it,
-        so once :meth:`flush` returns they all sit in the subscription's queue;
-        then let the subscription's task empty it.
+        so once :meth:`flush` returns they all sit in the subscriptions' queues;
+        then let the subscriptions' tasks empty them.
         """
         try:
             # nats.py annotates the timeout as int; it is handed to asyncio.wait_for.
@@ -343,14 +378,15 @@ class FailureDetector(Service):
             return False
         deadline = self.clock() + self.config.drain_timeout_s
         spins = 0
-        while self._hb_sub is not None and self._hb_sub.pending_msgs > 0:
+        subs = [sub for sub in (self._hb_sub, self._digest_sub) if sub is not None]
+        while any(sub.pending_msgs > 0 for sub in subs):
             if self.clock() > deadline:
                 return False
             spins += 1
             await asyncio.sleep(0 if spins < 100 else 0.001)
         return True
 
-    async def _report(self, incident: Incident, trigger: Context | None = None) -> None:
+    async def _report(self, incident: Verdict, trigger: Context | None = None) -> None:
         """Publish one verdict inside its own trace, retrying until it is stored."""
         links = []
         if trigger is not None:
@@ -359,17 +395,28 @@ class FailureDetector(Service):
                 links.append(Link(ctx, {"phalanx.link": "trigger"}))
         attrs: dict[str, str | int | float | bool] = {
             "phalanx.job": incident.job,
-            "phalanx.worker": incident.worker,
-            "phalanx.rank": incident.rank,
-            "phalanx.generation": incident.generation,
             "phalanx.cause": incident.cause.value,
             "phalanx.incident": incident.id,
-            "phalanx.pid": incident.pid,
         }
+        subject: Subject
+        if isinstance(incident, NodeIncident):
+            attrs.update({"phalanx.node": incident.node, "phalanx.launcher": incident.launcher})
+            subject = NODE_LOST
+            who: dict[str, Any] = {"node": incident.node, "workers": list(incident.workers)}
+        else:
+            attrs.update(
+                {
+                    "phalanx.worker": incident.worker,
+                    "phalanx.rank": incident.rank,
+                    "phalanx.generation": incident.generation,
+                    "phalanx.pid": incident.pid,
+                }
+            )
+            subject = FAILED if incident.cause is FaultCause.PROCESS_EXIT else HUNG
+            who = {"rank": incident.rank, "generation": incident.generation}
         attrs.update({f"phalanx.evidence.{k}": v for k, v in incident.evidence.items()})
         start_ns = int(min(incident.fault_at, self.wall()) * 1e9)
         event = incident.to_event()
-        subject = FAILED if isinstance(event, RankFailed) else HUNG
         with _tracer.start_as_current_span(
             "detect",
             context=Context(),
@@ -396,8 +443,7 @@ class FailureDetector(Service):
             "incident",
             incident=incident.id,
             cause=incident.cause.value,
-            rank=incident.rank,
-            generation=incident.generation,
+            **who,
             detect_ms=round((event.detected_at - incident.fault_at) * 1e3, 1),
             evidence=incident.evidence,
         )

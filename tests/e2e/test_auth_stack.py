@@ -19,6 +19,7 @@ import torch
 from phalanx.localstack import SERVICE_MODULES, LocalStack
 from phalanx.schemas import Action
 from tests.e2e.conftest import SMALL_GPT, STEPS, Reference
+from tests.e2e.test_recovery import actions
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ def test_recovery_with_every_process_in_its_role(
         "authe2e", cmd, nproc=3, spares=1, faults="kill:w1@step=5", global_batch=12, timeout_s=180.0
     )
     assert result.returncode == 0, result.decisions
-    assert [d.action for d in result.decisions] == [Action.START, Action.REPLACE]
+    assert actions(result) == [Action.START, Action.REPLACE]
     assert result.plans[-1].rank_of("w3") == 1
     weights = torch.load(save)
     assert all(torch.equal(weights[k], v) for k, v in reference(3).items())

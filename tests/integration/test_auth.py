@@ -25,7 +25,7 @@ from structlog.testing import capture_logs
 
 from phalanx.bus import COMMANDS, EVENTS, JOBS_BUCKET, Bus
 from phalanx.bus._connection import ENV_NATS_PASSWORD, ENV_NATS_USER, PermissionDenied
-from phalanx.bus.subjects import HEARTBEAT, JOB_SPEC, PLAN, REGISTERED
+from phalanx.bus.subjects import HEARTBEAT, JOB_SPEC, JOINED, PLAN, REGISTERED
 from phalanx.natsauth import KV_STREAM, NatsAuth
 from phalanx.natsserver import NatsServer
 from phalanx.schemas import (
@@ -33,6 +33,7 @@ from phalanx.schemas import (
     JobSpec,
     Member,
     Message,
+    NodeJoined,
     Phase,
     Plan,
     Registered,
@@ -297,12 +298,18 @@ async def test_the_planner_service_runs_under_its_role(srv: AuthServer) -> None:
     await rank.nc.subscribe(PLAN.format(job=JOB), cb=on_plan)
     async with service_as(srv, "planner", ElasticityPlanner, asker=admin):
         workers = ["w0", "w1"]
-        spec = JobSpec(
-            job=JOB, world_size=2, min_world_size=2, max_world_size=2, global_batch=4, workers=workers
-        )
+        answers: list[NodeJoined] = []
+
+        async def on_answer(raw: Msg) -> None:
+            answers.append(decode(raw.data, raw.headers, NodeJoined))
+
+        await launcher.nc.subscribe(JOINED.format(job=JOB), cb=on_answer)
+        spec = JobSpec(job=JOB, launcher="L1", ranks=2, global_batch=4, workers=workers)
         await launcher.publish(JOB_SPEC, spec, job=JOB, msg_id="spec")
+        await wait_for(lambda: bool(answers), "the planner's answer to the launcher")
+        assert answers[0].accepted
         for w in workers:
-            reg = Registered(job=JOB, worker=w, role=Role.RANK, host="h", pid=1)
+            reg = Registered(job=JOB, worker=w, role=Role.RANK, host="h", pid=1, launch=answers[0].run)
             await rank.publish(REGISTERED, reg, job=JOB, msg_id=f"reg-{w}")
         await wait_for(lambda: bool(plans), "generation 1")
         assert plans[0].generation == 1 and [m.worker for m in plans[0].members] == workers

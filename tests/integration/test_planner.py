@@ -13,14 +13,28 @@ from nats.aio.msg import Msg
 from phalanx.services.elasticity_planner.service import ElasticityPlanner
 
 from phalanx.bus import JOBS_BUCKET, Bus
-from phalanx.bus.subjects import COMM_ERROR, DECISION, FAILED, HUNG, JOB_SPEC, PLAN, REGISTERED
+from phalanx.bus.subjects import (
+    COMM_ERROR,
+    DECISION,
+    EXITED,
+    FAILED,
+    HUNG,
+    JOB_SPEC,
+    JOINED,
+    NODE_LOST,
+    PLAN,
+    REGISTERED,
+)
 from phalanx.schemas import (
     Action,
     CollectiveError,
     FaultCause,
     JobSpec,
+    NodeJoined,
+    NodeLost,
     Plan,
     PlanDecision,
+    RankExited,
     RankFailed,
     RankHung,
     Registered,
@@ -66,28 +80,49 @@ async def planner(url: str) -> AsyncIterator[None]:
         await task
 
 
-async def start_job(bus: Bus, ranks: int = 3, spares: int = 1, launch: str = "a") -> None:
-    workers = [f"w{i}" for i in range(ranks + spares)]
+async def join(
+    bus: Bus,
+    ranks: int = 3,
+    spares: int = 1,
+    *,
+    launcher: str = "L1",
+    node: str = "local",
+    workers: list[str] | None = None,
+    register: bool = True,
+    **settings: object,
+) -> NodeJoined:
+    """One node's launcher joins: its spec, the planner's answer, then its workers register."""
+    answers: asyncio.Queue[NodeJoined] = asyncio.Queue()
+
+    async def on_answer(raw: Msg) -> None:
+        msg = decode(raw.data, raw.headers, NodeJoined)
+        if msg.launcher == launcher:
+            answers.put_nowait(msg)
+
+    sub = await bus.nc.subscribe(JOINED.format(job=JOB), cb=on_answer)
+    names = workers or [f"w{i}" for i in range(ranks + spares)]
     spec = JobSpec(
         job=JOB,
-        world_size=ranks,
-        min_world_size=ranks,
-        max_world_size=ranks,
-        global_batch=12,
-        workers=workers,
-        launch=launch,
+        node=node,
+        launcher=launcher,
+        store_addr=f"store-{launcher}:29400",
+        workers=names,
+        ranks=ranks,
+        **{"global_batch": 12, **settings},  # type: ignore[arg-type]
     )
-    await bus.publish(JOB_SPEC, spec, job=JOB, msg_id=f"spec-{launch}")
-    for i, w in enumerate(workers):
-        reg = Registered(
-            job=JOB,
-            worker=w,
-            role=Role.RANK if i < ranks else Role.SPARE,
-            host="h",
-            pid=100 + i,
-            launch=launch,
-        )
-        await bus.publish(REGISTERED, reg, job=JOB, msg_id=f"reg-{launch}-{w}")
+    await bus.publish(JOB_SPEC, spec, job=JOB, msg_id=f"spec-{launcher}")
+    answer = await asyncio.wait_for(answers.get(), 15)
+    await sub.unsubscribe()
+    if answer.accepted and register:
+        for i, w in enumerate(answer.workers):
+            role = Role.RANK if i < ranks and not answer.as_spares else Role.SPARE
+            reg = Registered(job=JOB, worker=w, role=role, host=node, pid=100 + i, launch=answer.run)
+            await bus.publish(REGISTERED, reg, job=JOB, msg_id=f"reg-{answer.run}-{w}")
+    return answer
+
+
+async def start_job(bus: Bus, ranks: int = 3, spares: int = 1) -> NodeJoined:
+    return await join(bus, ranks, spares)
 
 
 def failed(worker: str, rank: int, generation: int = 1, pid: int = 101) -> RankFailed:
@@ -186,15 +221,66 @@ async def test_fault_of_an_unknown_job_changes_nothing(nats_url: str, bus: Bus, 
 
 async def test_a_relaunch_continues_the_generations(nats_url: str, bus: Bus, watcher: Watcher) -> None:
     async with planner(nats_url):
-        await start_job(bus, launch="first")
+        first_run = (await join(bus, launcher="first")).run
         await watcher.wait_for(lambda: len(watcher.plans) == 1)
-        await start_job(bus, launch="second")  # the same job name, launched again
+        # While that run lives, another launch for the same node is refused.
+        refused = await join(bus, launcher="intruder")
+        assert not refused.accepted and "already in the job" in refused.reason
+        done = RankExited(job=JOB, worker="w0", pid=100, host="h", exit_code=0, exited_at=1.0)
+        await bus.publish(EXITED, done, job=JOB, msg_id="w0-done")
+        await watcher.wait_for(lambda: any(d.action is Action.COMPLETE for d in watcher.decisions))
+        second_run = (await join(bus, launcher="second")).run  # the job, launched again
         await watcher.wait_for(lambda: len(watcher.plans) == 2)
     first, second = watcher.plans
-    assert (first.launch, first.generation) == ("first", 1)
-    # Ranks of the second launch ignore the first launch's plan (another launch id),
-    # and the job's generation still only moves forward.
-    assert (second.launch, second.generation) == ("second", 2)
+    assert first_run != second_run
+    assert (first.launch, first.generation) == (first_run, 1)
+    # Ranks of the second run ignore the first run's plan (another run id), and the
+    # job's generation still only moves forward.
+    assert (second.launch, second.generation) == (second_run, 2)
+
+
+async def test_nodes_join_start_at_min_nodes_and_disagreeing_settings_are_refused(
+    nats_url: str, bus: Bus, watcher: Watcher
+) -> None:
+    settings = {"min_nodes": 2, "max_nodes": 3}
+    async with planner(nats_url):
+        a = await join(bus, 2, 1, launcher="La", node="a", workers=["a-w0", "a-w1", "a-w2"], **settings)
+        assert a.accepted and not a.as_spares and a.workers == ["a-w0", "a-w1", "a-w2"]
+        bad = await join(bus, 2, 0, launcher="Lx", node="x", workers=["x-w0", "x-w1"], min_nodes=2, max_nodes=3,
+                         global_batch=16)  # fmt: skip
+        assert not bad.accepted and "global_batch=16" in bad.reason
+        assert not watcher.plans  # one node of min 2: no generation yet; the refusal changed nothing
+        b = await join(bus, 1, 1, launcher="Lb", node="b", workers=["b-w0", "b-w1"], **settings)
+        assert b.accepted and b.run == a.run
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        gen1 = watcher.plans[0]
+        assert [m.worker for m in gen1.members] == ["a-w0", "a-w1", "b-w0"]
+        assert gen1.store_addr == "store-La:29400"  # the first node's store
+        assert {w: gen1.nodes[w] for w in ("a-w0", "a-w1", "b-w0")} == {"a-w0": "a", "a-w1": "a", "b-w0": "b"}
+        # A node joining the running job brings spares, under names not used before.
+        c = await join(bus, 0, 2, launcher="Lc", node="c", workers=["c-w0", "c-w1"], **settings)
+        assert c.accepted and c.as_spares
+        # A rank of b dies: b's own spare takes it (its node holds the prepared shards).
+        event = failed("b-w0", 2, pid=100)
+        await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
+        await watcher.wait_for(lambda: len(watcher.plans) == 2)
+        assert watcher.plans[1].rank_of("b-w1") == 2
+        # Node a is lost: both its ranks go to spares elsewhere in one generation,
+        # and the rendezvous moves off it.
+        lost = NodeLost(
+            job=JOB, incident=f"{JOB}:node:a:La", node="a", launcher="La", workers=["a-w0", "a-w1", "a-w2"],
+            cause=FaultCause.HEARTBEAT_LOST, fault_at=1.0,
+        )  # fmt: skip
+        await bus.publish(NODE_LOST, lost, job=JOB, msg_id=lost.incident)
+        await watcher.wait_for(lambda: len(watcher.plans) == 3)
+        gen3 = watcher.plans[2]
+        assert len(watcher.plans) == 3 and gen3.world_size == 3
+        assert set(gen3.removed) == {"a-w0", "a-w1", "a-w2"} and gen3.lost_launchers == ["La"]
+        assert [(m.rank, m.worker) for m in gen3.members] == [(0, "c-w0"), (1, "c-w1"), (2, "b-w1")]
+        assert gen3.store_addr == "store-Lb:29400"
+        # Node a's launcher, started again, joins as new spare capacity.
+        again = await join(bus, 2, 1, launcher="La2", node="a", workers=["a-w0", "a-w1", "a-w2"], **settings)
+        assert again.accepted and again.as_spares and again.workers == ["a-w3", "a-w4", "a-w5"]
 
 
 async def test_a_broken_group_with_nobody_dead_reforms(

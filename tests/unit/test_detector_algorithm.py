@@ -14,17 +14,23 @@ from phalanx.services.failure_detector.detector import (
     Detector,
     DetectorConfig,
     FakeClock,
+    Incident,
     IntervalWindow,
+    NodeIncident,
     incident_id,
+    node_incident_id,
     phi,
     phi_threshold_z,
 )
 from phalanx.services.failure_detector.service import ServiceConfig
 
 from phalanx.schemas import (
+    DigestEntry,
     FaultCause,
     Heartbeat,
     Member,
+    NodeDigest,
+    NodeLost,
     Phase,
     Plan,
     RankExited,
@@ -466,3 +472,236 @@ def test_service_config_from_env() -> None:
         ServiceConfig.from_env({"PHALANX_HEARTBEAT_MS": "fast"})
     with pytest.raises(ValueError):
         ServiceConfig.from_env({"PHALANX_DETECTOR_JOB": "a.b"})
+
+
+# -- node digests ----------------------------------------------------------------------
+class SimNode:
+    """A node's launcher on the fake clock: its ranks heartbeat into it on their own
+    schedules, it samples them into a digest every ``interval``, and each digest
+    reaches the detector ``delay()`` later (jitter of the network and the loops)."""
+
+    def __init__(
+        self,
+        det: Detector,
+        clock: FakeClock,
+        k: int,
+        rng: random.Random,
+        *,
+        ranks: int = 8,
+        interval: float = I,
+        rank_interval: float | None = None,
+        jitter: float = 0.0,
+    ) -> None:
+        self.det, self.clock, self.k, self.rng = det, clock, k, rng
+        self.node, self.launcher = f"n{k}", f"L{k}"
+        self.interval, self.rank_interval = interval, rank_interval or interval
+        self.jitter = jitter
+        now = clock.monotonic()
+        self.next_digest = now + rng.uniform(0, interval)
+        self.next_beat = [now + rng.uniform(0, self.rank_interval) for _ in range(ranks)]
+        self.heard: list[tuple[int, float, Phase, float, int] | None] = [None] * ranks
+        """Per rank: (seq, received at, phase, phase_ms, step) of its latest heartbeat."""
+        self.seq = [0] * ranks
+        self.stuck: dict[int, tuple[Phase, float]] = {}
+        self.frozen: set[int] = set()
+        self.silent = False
+        self.digest_seq = 0
+        self.in_flight: list[tuple[float, NodeDigest]] = []
+
+    def worker(self, j: int) -> str:
+        return f"n{self.k}-w{j}"
+
+    def pid(self, j: int) -> int:
+        return 10_000 + 100 * self.k + j
+
+    def _beat(self, j: int, now: float) -> None:
+        seq = self.seq[j]
+        self.seq[j] += 1
+        if j in self.stuck:  # heartbeats go on, the step does not
+            phase, since = self.stuck[j]
+            prev = self.heard[j]
+            self.heard[j] = (seq, now, phase, (now - since) * 1e3, prev[4] if prev else 0)
+        else:  # a step per heartbeat, alternating phases
+            self.heard[j] = (seq, now, Phase.COMPUTE if seq % 2 else Phase.COLLECTIVE, 1.0, seq)
+
+    def _digest(self, now: float) -> NodeDigest:
+        entries = [
+            DigestEntry(
+                worker=self.worker(j),
+                pid=self.pid(j),
+                seq=seq,
+                rank=self.k * 8 + j,
+                generation=1,
+                step=step,
+                step_ms=self.rank_interval * 800,
+                phase=phase,
+                phase_ms=phase_ms,
+                age_ms=(now - at) * 1e3,
+                interval_ms=self.rank_interval * 1e3,
+            )
+            for j, h in enumerate(self.heard)
+            if h is not None
+            for seq, at, phase, phase_ms, step in [h]
+        ]
+        self.digest_seq += 1
+        return NodeDigest(
+            job="j1",
+            node=self.node,
+            launcher=self.launcher,
+            host=f"h{self.k}",
+            seq=self.digest_seq,
+            interval_ms=self.interval * 1e3,
+            entries=entries,
+        )
+
+    def advance(self, now: float) -> None:
+        for j, at in enumerate(self.next_beat):
+            if at <= now + 1e-9:
+                if j not in self.frozen:
+                    self._beat(j, now)
+                self.next_beat[j] = at + self.rank_interval
+        if self.next_digest <= now + 1e-9:
+            if not self.silent:
+                self.in_flight.append((now + self.rng.uniform(0, self.jitter), self._digest(now)))
+            self.next_digest += self.interval
+        while self.in_flight and self.in_flight[0][0] <= now + 1e-9:
+            self.det.observe_digest(self.in_flight.pop(0)[1])
+
+
+def drive(clock: FakeClock, det: Detector, nodes: list[SimNode], seconds: float, dt: float = 0.005) -> list:
+    """Advance time in small steps; nodes beat and digest; returns (time, verdict) pairs."""
+    out = []
+    end = clock.monotonic() + seconds
+    while clock.monotonic() < end - 1e-9:
+        for n in nodes:
+            n.advance(clock.monotonic())
+        out += [(clock.monotonic(), v) for v in det.tick()]
+        clock.advance(dt)
+    return out
+
+
+def test_silent_node_is_one_node_lost_and_no_rank_hung_for_its_workers() -> None:
+    det, clock = make()
+    rng = random.Random(3)
+    nodes = [SimNode(det, clock, k, rng, jitter=0.5 * I) for k in range(3)]
+    assert drive(clock, det, nodes, 3.0) == []
+    assert len(det) == 24 and sorted(det.nodes()) == [("j1", f"n{k}", f"L{k}") for k in range(3)]
+    nodes[1].silent = True
+    silent_at = clock.monotonic()
+    out = drive(clock, det, nodes, 3.0)
+    [(at, lost)] = out
+    assert isinstance(lost, NodeIncident) and isinstance(lost.to_event(), NodeLost)
+    assert lost.id == node_incident_id("j1", "n1", "L1") == "j1:node:n1:L1"
+    assert lost.cause is FaultCause.HEARTBEAT_LOST and lost.node == "n1"
+    assert sorted(lost.workers) == [f"n1-w{j}" for j in range(8)]
+    assert at - silent_at <= 3 * I and lost.fault_at <= clock.epoch + silent_at + 0.5 * I
+    assert lost.evidence["phi"] >= 8.0 and lost.evidence["launcher"] == "L1"
+    event = lost.to_event()
+    assert decode(*encode(event)) == event
+    assert all(det.is_closed("j1", f"n1-w{j}", nodes[1].pid(j)) for j in range(8))
+    assert len(det) == 16 and det.stats.nodes_lost == 1
+    # the partition heals: the same launcher's digests (and its workers) are not taken back
+    nodes[1].silent = False
+    ignored = det.stats.ignored_digests
+    assert drive(clock, det, nodes, 3.0) == []
+    assert det.stats.ignored_digests > ignored
+    assert len(det) == 16 and ("j1", "n1", "L1") not in set(det.nodes())
+
+
+def test_rank_hung_inside_a_live_node_is_found_within_three_intervals() -> None:
+    det, clock = make()
+    rng = random.Random(5)
+    nodes = [SimNode(det, clock, k, rng, jitter=0.3 * I) for k in range(20)]
+    assert drive(clock, det, nodes, 3.0) == []
+    t0 = clock.monotonic()
+    frozen_at = {}
+    found: dict[str, float] = {}
+    while clock.monotonic() < t0 + 6.0:
+        now = clock.monotonic()
+        for n in nodes:  # each node loses one rank at a random moment in the first 3 s
+            if n.k not in frozen_at and now >= t0 + 3.0 * n.k / len(nodes) + rng.uniform(0, I):
+                j = rng.randrange(8)
+                n.frozen.add(j)
+                frozen_at[n.k] = (n.worker(j), now)
+        for at, v in drive(clock, det, nodes, 0.005):
+            assert isinstance(v, Incident) and v.cause is FaultCause.HEARTBEAT_LOST
+            assert v.evidence["node"] == f"n{v.worker.split('-')[0][1:]}"
+            found[v.worker] = at
+    assert sorted(found) == sorted(w for w, _ in frozen_at.values())
+    worst = max(found[w] - at for w, at in frozen_at.values())
+    assert worst <= 3 * I, worst
+    assert det.stats.nodes_lost == 0 and len(det) == 20 * 7
+
+
+@pytest.mark.parametrize("rank_interval", [I, I / 4, 2 * I])
+def test_no_false_positive_with_digest_jitter_up_to_one_interval(rank_interval: float) -> None:
+    det, clock = make()
+    rng = random.Random(11)
+    nodes = [SimNode(det, clock, k, rng, jitter=I, rank_interval=rank_interval) for k in range(10)]
+    assert drive(clock, det, nodes, 30.0) == []
+    assert len(det) == 80 and det.stats.digest_entries > 0
+    # and a rank that stops is still found
+    nodes[4].frozen.add(2)
+    [(_, hung)] = drive(clock, det, nodes, 5 * max(I, rank_interval))
+    assert isinstance(hung, Incident) and hung.worker == "n4-w2"
+
+
+def test_step_stall_from_digest_entries_and_peers_in_collective_are_not_judged() -> None:
+    det, clock = make(stall_floor_s=0.5, stall_factor=4.0)
+    rng = random.Random(2)
+    node = SimNode(det, clock, 0, rng, ranks=4, jitter=0.5 * I)
+    assert drive(clock, det, [node], 2.0) == []
+    now = clock.monotonic()
+    node.stuck = {0: (Phase.COMPUTE, now), 1: (Phase.COLLECTIVE, now), 2: (Phase.COLLECTIVE, now)}
+    out = drive(clock, det, [node], 3.0)
+    [(at, stall)] = out
+    assert isinstance(stall, Incident) and stall.cause is FaultCause.STEP_STALL and stall.worker == "n0-w0"
+    assert stall.evidence["bound_ms"] == 500.0
+    assert stall.fault_at == pytest.approx(clock.epoch + now, abs=I)
+    assert 0.5 <= at - now <= 0.5 + 2 * I
+    assert sorted(w for _, w, _ in det.tracked()) == ["n0-w1", "n0-w2", "n0-w3"]
+
+
+def test_done_entries_and_empty_nodes_make_no_verdict() -> None:
+    det, clock = make()
+    node = SimNode(det, clock, 0, random.Random(1), ranks=2)
+    assert drive(clock, det, [node], 2.0) == []
+    # both ranks leave: their last entries say DONE, then the launcher stops
+    for j in range(2):
+        node.frozen.add(j)
+        seq, at, _, _, step = node.heard[j]  # type: ignore[misc]
+        node.heard[j] = (seq + 1, at, Phase.DONE, 0.0, step)
+    assert drive(clock, det, [node], 2 * I) == []
+    assert len(det) == 0 and det.stats.clean_exits == 2
+    node.heard = [None, None]  # dropped after the DONE digest
+    assert drive(clock, det, [node], 2 * I) == []
+    node.silent = True
+    assert drive(clock, det, [node], 2.0) == []
+    assert det.stats.nodes_left == 1 and list(det.nodes()) == []
+
+
+def test_digest_ignores_repeats_and_a_replaced_launcher_takes_over() -> None:
+    det, clock = make()
+    node = SimNode(det, clock, 0, random.Random(4), ranks=1)
+    drive(clock, det, [node], 1.0)
+    d = node._digest(clock.monotonic())
+    assert det.observe_digest(d) and not det.observe_digest(d)  # a repeat
+    restarted = d.model_copy(update={"launcher": "L0b", "seq": 0, "entries": []})
+    assert det.observe_digest(restarted)
+    assert list(det.nodes()) == [("j1", "n0", "L0b")]
+    assert not det.observe_digest(d.model_copy(update={"seq": d.seq + 1}))  # the old launcher is gone
+
+
+def test_a_worker_the_launcher_forgot_is_not_declared_silent_but_its_exit_still_counts() -> None:
+    det, clock = make()
+    node = SimNode(det, clock, 0, random.Random(5), ranks=3)
+    assert drive(clock, det, [node], 2.0) == []
+    # w1's process ended without a goodbye (terminated, or killed): the launcher drops it
+    node.frozen.add(1)
+    node.heard[1] = None
+    assert drive(clock, det, [node], 3.0) == []
+    assert len(det) == 2
+    # the launcher's exit report still makes the verdict
+    exited = RankExited(job="j1", worker=node.worker(1), pid=node.pid(1), host="h0", signal=9, exited_at=1.0)
+    incident = det.on_exit(exited)
+    assert incident is not None and incident.cause is FaultCause.PROCESS_EXIT

@@ -27,6 +27,9 @@ from phalanx.bus.subjects import (
     HEARTBEAT,
     HUNG,
     JOB_SPEC,
+    JOINED,
+    NODE_DIGEST,
+    NODE_LOST,
     PLAN,
     PREEMPT,
     RECOVERED,
@@ -36,9 +39,9 @@ from phalanx.bus.subjects import (
 from phalanx.natsauth import ROLES, SERVICES, NatsAuth, Permissions, main, permissions
 
 EXPECTED: dict[str, set[Subject]] = {
-    "planner": {PLAN, DECISION},
-    "detector": {FAILED, HUNG},
-    "launcher": {JOB_SPEC, EXITED},
+    "planner": {PLAN, DECISION, JOINED},
+    "detector": {FAILED, HUNG, NODE_LOST},
+    "launcher": {JOB_SPEC, EXITED, NODE_DIGEST},
     "rank": {HEARTBEAT, REGISTERED, ACK, COMM_ERROR, RECOVERED, ERROR},  # ERROR: as rank-<worker>
     "scheduler": {CAPACITY, PREEMPT},
     "replication": set(),

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from phalanx.schemas import Action, JobSpec, Member, Plan
-from services.elasticity_planner.policy import Decision, Fault, JobPhase, JobState, ReplaceOrShrink
+from services.elasticity_planner.policy import (
+    Decision,
+    Fault,
+    JobPhase,
+    JobState,
+    NodeState,
+    ReplaceOrShrink,
+)
 
 JOB = "job-1"
 
@@ -21,14 +28,13 @@ def make_state(
     generation: int = 3,
 ) -> JobState:
     spares = list(spares or [])
-    n = len(members)
     spec = JobSpec(
         job=JOB,
-        world_size=n,
+        launcher="L1",
         min_world_size=min_world_size,
-        max_world_size=n + len(spares),
         global_batch=8,
         workers=members + spares,
+        ranks=len(members),
     )
     plan = Plan(
         job=JOB,
@@ -39,7 +45,14 @@ def make_state(
         store_prefix=f"{JOB}/g{generation}",
     )
     return JobState(
-        spec=spec, phase=phase, plan=plan, ranks=list(members), spares=spares, lost=set(lost or ())
+        spec=spec,
+        phase=phase,
+        plan=plan,
+        nodes={"local": NodeState("L1", "h", "127.0.0.1:1", members + spares, len(members))},
+        ranks=list(members),
+        spares=spares,
+        lost=set(lost or ()),
+        start_world=len(members),
     )
 
 

@@ -13,7 +13,10 @@ while the asyncio loop publishes heartbeats with
 - ``PHALANX_FAULTS`` (:mod:`phalanx.runtime.faults`, point ``step=N``) fires in
   COMPUTE, before the step's collective: ``stall:w3@step=10`` stalls w3 there;
 - ``--idle``: a hot spare (rank -1, phase IDLE);
-- SIGSTOP freezes everything (heartbeats stop); SIGTERM exits 0.
+- SIGSTOP freezes everything (heartbeats stop); SIGTERM exits 0;
+- with ``PHALANX_HEARTBEAT_SOCKET`` set (a launcher's, or a test's
+  :class:`~phalanx.runtime.digest.NodeDigestPublisher`) heartbeats go to that unix
+  socket and reach the detector in the node's digest, as under ``phalanx run``.
 
 Prints ``ready <pid>`` once its first heartbeat is out. Job and worker default to
 the launcher's ``PHALANX_JOB``/``PHALANX_WORKER``/``PHALANX_ROLE``.

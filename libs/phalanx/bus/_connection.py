@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import os
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -89,6 +89,9 @@ class Bus:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self.reconnects = 0
+        # Run after every reconnect: what a core subscription missed meanwhile is
+        # gone, so followers of the plan read it again from KV here.
+        self.reconnect_hooks: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self.decode_errors = 0
         self.denied: dict[str, float] = {}  # subject (lower-cased) -> loop time the server last refused it
 
@@ -146,8 +149,13 @@ class Bus:
 
         async def on_reconnect() -> None:
             if "bus" in holder:
-                holder["bus"].reconnects += 1
-                holder["bus"].log.info("nats_reconnected", url=str(holder["bus"].nc.connected_url))
+                bus = holder["bus"]
+                bus.reconnects += 1
+                bus.log.info("nats_reconnected", url=str(bus.nc.connected_url))
+                for hook in list(bus.reconnect_hooks):
+                    task: asyncio.Task[None] = asyncio.create_task(hook())
+                    bus._tasks.add(task)
+                    task.add_done_callback(bus._tasks.discard)
 
         nc = Client()
         try:

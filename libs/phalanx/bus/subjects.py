@@ -24,6 +24,9 @@ from phalanx.schemas import (
     Heartbeat,
     JobSpec,
     Message,
+    NodeDigest,
+    NodeJoined,
+    NodeLost,
     Plan,
     PlanAck,
     PlanDecision,
@@ -81,6 +84,12 @@ HEARTBEAT = Subject(
     Transport.CORE,
     "Liveness and progress of a rank or spare, every heartbeat interval.",
 )
+NODE_DIGEST = Subject(
+    "phalanx.node.{job}.{node}",
+    NodeDigest,
+    Transport.CORE,
+    "A node's launcher, every heartbeat interval: the node and each local worker's latest heartbeat.",
+)
 REGISTERED = Subject(
     "phalanx.evt.{job}.registered", Registered, Transport.JETSTREAM, "A worker process is warm and ready."
 )
@@ -107,6 +116,18 @@ DECISION = Subject(
     PlanDecision,
     Transport.JETSTREAM,
     "The planner's decision on an incident and its reason.",
+)
+NODE_LOST = Subject(
+    "phalanx.evt.{job}.node_lost",
+    NodeLost,
+    Transport.JETSTREAM,
+    "The failure-detector's verdict: a whole node went silent.",
+)
+JOINED = Subject(
+    "phalanx.evt.{job}.joined",
+    NodeJoined,
+    Transport.JETSTREAM,
+    "The planner's answer to a node's job spec: accepted (with the run id) or refused.",
 )
 ACK = Subject("phalanx.evt.{job}.ack", PlanAck, Transport.JETSTREAM, "A member acknowledged a plan.")
 RECOVERED = Subject(
@@ -149,12 +170,15 @@ HEALTH = Subject(
 
 CATALOGUE: tuple[Subject, ...] = (
     HEARTBEAT,
+    NODE_DIGEST,
     REGISTERED,
     EXITED,
     COMM_ERROR,
     FAILED,
     HUNG,
+    NODE_LOST,
     DECISION,
+    JOINED,
     ACK,
     RECOVERED,
     JOB_SPEC,

@@ -7,8 +7,9 @@ job's plans, acknowledges them at once, and publishes what the trainer reports.
 
 Plans are fenced by generation: :meth:`Agent.wait_plan` only returns a plan
 newer than the one the caller has, and a stale or duplicated plan is dropped.
-The latest plan is also read from the ``phalanx_jobs`` KV bucket at start, so a
-worker that subscribes after the plan was published still sees it.
+The latest plan is also read from the ``phalanx_jobs`` KV bucket at start and
+after every reconnect, so a worker that subscribes after the plan was published,
+or was cut off while it was, still sees it.
 """
 
 from __future__ import annotations
@@ -26,13 +27,12 @@ from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 
 from phalanx.bus import JOBS_BUCKET, Bus, Subject
-from phalanx.bus.subjects import ACK, HEARTBEAT, PLAN, REGISTERED
+from phalanx.bus.subjects import ACK, PLAN, REGISTERED
 from phalanx.runtime.heartbeat import HeartbeatPublisher
 from phalanx.runtime.status import RankStatus
 from phalanx.schemas import (
     DecodeError,
     Message,
-    Phase,
     Plan,
     PlanAck,
     Registered,
@@ -91,14 +91,9 @@ class Agent:
         await bus.nc.subscribe(PLAN.format(job=self.status.job), cb=self._on_plan_msg)
         self._hb = hb = HeartbeatPublisher(bus, self.status, self._heartbeat_s)
         self._hb_task = asyncio.create_task(hb.run())
-        # A plan committed before we subscribed is in the KV bucket.
-        try:
-            kv = await bus.js.key_value(JOBS_BUCKET)
-            entry = await kv.get(plan_key(self.status.job))
-            if entry.value:
-                self._offer(decode(entry.value, headers_for(Plan), Plan), time.time(), {})
-        except Exception as exc:  # no bucket or key yet: the plan will come by message
-            self.log.debug("no_committed_plan", error=repr(exc))
+        # A plan committed before we subscribed, or while we were disconnected, is in KV.
+        await self._load_committed()
+        bus.reconnect_hooks.append(self._load_committed)
         await bus.publish(
             REGISTERED,
             Registered(
@@ -123,15 +118,8 @@ class Agent:
                 self._hb_task.cancel()
             if self._bus:
                 # Say goodbye, so the detector does not take the silence for a hang.
-                self.status.enter(Phase.DONE)
-                with contextlib.suppress(Exception):
-                    await self._bus.publish(
-                        HEARTBEAT,
-                        self.status.heartbeat(self._hb.seq if self._hb else 0, 1.0),
-                        traced=False,
-                        job=self.status.job,
-                        worker=self.status.worker,
-                    )
+                if self._hb is not None:
+                    await self._hb.goodbye()  # the launcher's socket or NATS, as the heartbeats went
                 await self._bus.close()
 
         with contextlib.suppress(Exception):
@@ -143,6 +131,16 @@ class Agent:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     # -- plans ----------------------------------------------------------------
+    async def _load_committed(self) -> None:
+        assert self._bus is not None
+        try:
+            kv = await self._bus.js.key_value(JOBS_BUCKET)
+            entry = await kv.get(plan_key(self.status.job))
+            if entry.value:
+                self._offer(decode(entry.value, headers_for(Plan), Plan), time.time(), {})
+        except Exception as exc:  # no bucket or key yet: the plan will come by message
+            self.log.debug("no_committed_plan", error=repr(exc))
+
     async def _on_plan_msg(self, raw: Msg) -> None:
         received = time.time()
         try:

@@ -20,6 +20,7 @@ newer plan has superseded this one.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -38,19 +39,42 @@ class Superseded(Exception):
     """A newer plan arrived while waiting for this generation's members."""
 
 
-def connect_store(addr: str, timeout_s: float = 30.0) -> dist.TCPStore:
-    """A client of the job's store at ``host:port``."""
+def split_addr(addr: str) -> tuple[str, int]:
+    """``"10.0.0.1:29400"`` -> ``("10.0.0.1", 29400)``; a clear ValueError otherwise."""
     host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"store address must be host:port, got {addr!r}")
-    return dist.TCPStore(
-        host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True
-    )
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address must be host:port, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def connect_store(addr: str, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A client of a store at ``host:port``."""
+    host, port = split_addr(addr)
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0) -> dist.TCPStore:
-    """Host the job's store (the launcher does this); ``port=0`` picks a free one."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, use_libuv=True)
+    """Host a store (a launcher does this) listening on ``host`` only (``store.port``).
+
+    ``TCPStore(is_master=True)`` alone listens on every interface whatever ``host``
+    says; handing it a socket already bound to ``host`` keeps it on the interface
+    the node is reached by. ``port=0`` picks a free one.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        port = int(sock.getsockname()[1])
+        store = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, use_libuv=True, master_listen_fd=sock.fileno()
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store serves on this fd from now on: Python must not close it
+    return store
 
 
 def arrival_barrier(
@@ -83,15 +107,29 @@ class Communicator:
     """The process group of one generation, and the few collectives the runtime uses."""
 
     def __init__(
-        self, store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        store: dist.Store,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        bind: str | None = None,
     ) -> None:
+        """``bind``: the address gloo listens on and announces (the node's interface);
+        None lets gloo pick from the hostname, as torch does by default."""
         self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
         self.timeout = timedelta(seconds=timeout_s)
         pstore = dist.PrefixStore(f"{prefix}/pg", store)
         try:
-            backend = dist.ProcessGroupGloo(pstore, rank, world_size, self.timeout)
+            if bind:
+                opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+                opts._timeout = self.timeout
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+                backend = dist.ProcessGroupGloo(pstore, rank, world_size, opts)
+            else:
+                backend = dist.ProcessGroupGloo(pstore, rank, world_size, self.timeout)
         except Exception as exc:  # DistStoreError, gloo connect errors
             raise CommError(f"building process group {prefix}: {exc}") from exc
         pg = dist.ProcessGroup(pstore, rank, world_size)

@@ -1,9 +1,14 @@
 """``phalanx.runtime.init()``: what a training script calls first.
 
 It reads the environment the launcher sets (``PHALANX_JOB``, ``PHALANX_WORKER``,
-``PHALANX_ROLE``, ``PHALANX_STORE_ADDR``, ``NATS_URL``), sets up logs and traces,
-starts the :class:`~phalanx.runtime.agent.Agent` (registration, heartbeats,
-plans) and connects to the job's rendezvous store.
+``PHALANX_ROLE``, ``PHALANX_LAUNCH`` (the job's run id), ``PHALANX_STORE_ADDR``
+(this node's launcher's store), ``PHALANX_BIND`` (the address gloo listens on),
+``NATS_URL``), sets up logs and traces and starts the
+:class:`~phalanx.runtime.agent.Agent` (registration, heartbeats, plans).
+
+Each generation's plan names the store its members meet on (it moves to a
+surviving node when the node hosting it is lost); :meth:`Job.store_at` connects
+to it on first use and keeps the connection for later generations.
 
 >>> job = phalanx.runtime.init()
 >>> job.worker, job.role
@@ -14,12 +19,12 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from phalanx.runtime.agent import Agent
-from phalanx.runtime.comm import connect_store
+from phalanx.runtime.comm import CommError, connect_store
 from phalanx.runtime.faults import FaultPlan
 from phalanx.runtime.status import RankStatus
 from phalanx.schemas import Role
@@ -37,8 +42,26 @@ class Job:
     role: Role
     status: RankStatus
     agent: Agent
-    store: dist.Store
+    store_addr: str
     faults: FaultPlan
+    bind: str | None = None
+    store_connect_s: float = 5.0
+    _stores: dict[str, dist.Store] = field(default_factory=dict, repr=False)
+
+    def store_at(self, addr: str = "") -> dist.Store:
+        """The store at ``addr`` (``""``: this node's launcher's), connected once.
+
+        Raises :class:`CommError` when it cannot be reached within
+        ``store_connect_s``: the plan that named it is then abandoned for a newer one.
+        """
+        addr = addr or self.store_addr
+        store = self._stores.get(addr)
+        if store is None:
+            try:
+                store = self._stores[addr] = connect_store(addr, self.store_connect_s)
+            except Exception as exc:  # a malformed address, DistNetworkError, a timeout
+                raise CommError(f"store {addr} unreachable: {exc}") from exc
+        return store
 
     def close(self) -> None:
         self.agent.close()
@@ -76,9 +99,18 @@ def init() -> Job:
     setup_tracing("phalanx-rank")
     status = RankStatus(job=job, worker=worker)
     agent = Agent(status, role, launch=os.environ.get("PHALANX_LAUNCH", "")).start()
-    store = connect_store(_need("PHALANX_STORE_ADDR"))
+    result = Job(
+        job,
+        worker,
+        role,
+        status,
+        agent,
+        _need("PHALANX_STORE_ADDR"),
+        faults,
+        bind=os.environ.get("PHALANX_BIND") or None,
+    )
+    result.store_at()  # this node's store answers: the launcher is up
     get_logger(component="runtime").info("worker_ready", job=job, worker=worker, role=role.value)
-    result = Job(job, worker, role, status, agent, store, faults)
     _leave_quietly_on_sigterm(result)
     return result
 

@@ -1,45 +1,78 @@
-"""The local launcher: ``phalanx run --nproc N --spares K -- python train.py ...``.
+"""The launcher: one per node, ``phalanx run ... -- python train.py ...``.
 
 It is the job's long-lived agent on a node, the part that does not die with the
 ranks:
 
-- hosts the job's rendezvous store (a ``TCPStore``) that every generation's
-  process group is built over (a store hosted by rank 0 would die with rank 0);
-- publishes the job spec the planner forms generation 1 from;
+- joins the job: it sends the planner its node's :class:`~phalanx.schemas.JobSpec`
+  (workers, the job-level settings every node must agree on) and waits for the
+  answer; a launcher that disagrees with the nodes already in the job is refused
+  with the reason and starts nothing. The answer carries the job-level run id
+  that ranks use to ignore plans of an earlier run;
+- hosts a rendezvous store (a ``TCPStore`` on the node's interface; a store
+  hosted by a rank would die with it). Each generation's plan names the store
+  its members meet on, so the rendezvous moves to a surviving node when the node
+  hosting it is lost;
 - starts the ranks and the hot spares (which import torch, build the model and
   open the data before they are needed) and watches their exits: the moment a
   worker dies, a ``RankExited`` goes out -- the fast crash path that does not wait
-  for heartbeats to stop;
+  for heartbeats to stop. Workers die with their launcher (``PR_SET_PDEATHSIG``),
+  so no orphan trains outside the plan;
+- collects its workers' heartbeats locally and publishes one
+  :class:`~phalanx.schemas.NodeDigest` per interval (:mod:`phalanx.runtime.digest`);
 - fences: a worker a plan removes (a hung rank) is SIGKILLed, which turns a hang
-  into a crash and releases the survivors blocked in a collective;
-- ends the job when the ranks of the current plan have all exited 0, or when the
-  planner decides to stop.
+  into a crash and releases the survivors blocked in a collective; a launcher
+  whose node was declared lost (cut off, then back) fences all its workers and ends;
+- ends when its node's members of the current plan have all exited 0, when the
+  planner declares the job complete (a node holding only spares), or stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import hashlib
+import json
 import os
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from nats.aio.msg import Msg
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-from phalanx.bus import Bus
-from phalanx.bus.subjects import DECISION, EXITED, JOB_SPEC, PLAN
-from phalanx.schemas import Action, JobSpec, Plan, PlanDecision, RankExited, Role, decode
+from phalanx.bus import JOBS_BUCKET, Bus, nats_url
+from phalanx.bus.subjects import DECISION, EXITED, JOB_SPEC, JOINED, PLAN
+from phalanx.runtime.digest import NodeDigestPublisher
+from phalanx.runtime.heartbeat import heartbeat_interval_s
+from phalanx.schemas import (
+    Action,
+    JobSpec,
+    NodeJoined,
+    Plan,
+    PlanDecision,
+    RankExited,
+    Role,
+    decode,
+    headers_for,
+)
 from phalanx.telemetry import get_logger
+
+_PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(RuntimeError):
+    """The launcher could not join its job (no planner answered, or it was refused)."""
 
 
 @dataclass
@@ -53,69 +86,177 @@ class Worker:
 
 @dataclass
 class LaunchConfig:
+    """One node's part of a job. ``nproc`` ranks and ``spares`` hot spares start on
+    this node; ``min_nodes``..``max_nodes``, ``global_batch``, ``min_nproc`` and the
+    command are job-level settings every node's launcher must agree on."""
+
     job: str
     cmd: list[str]
     nproc: int
     spares: int = 0
     global_batch: int = 32
-    min_nproc: int | None = None
-    max_nproc: int | None = None
+    min_nproc: int | None = None  # smallest world a shrink may leave (default: no shrink)
     nats_url: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
-    store_host: str = "127.0.0.1"
+    node: str = "local"
+    min_nodes: int = 1
+    max_nodes: int = 1
+    bind: str | None = None  # the address store and gloo listen on; None: towards NATS
+    join_timeout_s: float = 10.0
+
+
+def worker_names(node: str, count: int, qualified: bool) -> list[str]:
+    """``w0..`` in a one-node job; ``<node>-w0..`` when the job may span nodes.
+
+    >>> worker_names("node-a", 2, True), worker_names("local", 2, False)
+    (['node-a-w0', 'node-a-w1'], ['w0', 'w1'])
+    """
+    return [f"{node}-w{i}" if qualified else f"w{i}" for i in range(count)]
+
+
+def command_fingerprint(cmd: list[str]) -> str:
+    """What launchers compare to be sure every node runs the same training command."""
+    return "sha256:" + hashlib.sha256(json.dumps(cmd).encode()).hexdigest()[:16]
+
+
+def local_address_towards(url: str) -> str:
+    """The address of this host's interface that reaches the first server of ``url``:
+    the one the node is reached by. Loopback for a local server. A UDP ``connect``
+    only picks the route; it sends nothing."""
+    first = url.split(",")[0].strip()
+    parts = urlsplit(first if "://" in first else f"nats://{first}")
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or 4222
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(sockaddr)
+        return str(s.getsockname()[0])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the launcher dies (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class Launcher:
     def __init__(self, config: LaunchConfig) -> None:
-        if config.nproc < 1 or config.spares < 0:
-            raise ValueError("need nproc >= 1 and spares >= 0")
+        if config.nproc < 0 or config.spares < 0 or config.nproc + config.spares < 1:
+            raise ValueError("need nproc >= 0, spares >= 0 and at least one worker")
+        if not 1 <= config.min_nodes <= config.max_nodes:
+            raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {config.min_nodes}:{config.max_nodes}")
         if not config.cmd:
             raise ValueError("no command to launch")
         self.config = config
         self.job = config.job
-        self.log = get_logger(component="launcher", job=config.job)
+        self.node = config.node
+        self.log = get_logger(component="launcher", job=config.job, node=config.node)
         self.workers: dict[str, Worker] = {}
         self.plan: Plan | None = None
         self.decision: PlanDecision | None = None
         self.bus: Bus | None = None
         self.store: dist.TCPStore | None = None
+        self.digests: NodeDigestPublisher | None = None
+        self.bind = ""
+        self.run = ""  # the job-level run id, from the planner's answer
+        self.removed_reason: str | None = None
+        self._joined: asyncio.Future[NodeJoined] | None = None
         self._done = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._next_index = 0
-        # Plans of an earlier launch of the same job name stay in KV; ranks tell
-        # them apart by this id (and the planner only ever moves generations up).
-        self.launch = uuid.uuid4().hex[:12]
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"phalanx-{config.job}-"))
+        # This process's identity in the job: a launcher started again on the same
+        # node is new capacity, not the one that was lost.
+        self.id = f"{config.node}-{uuid.uuid4().hex[:12]}"
 
     # -- start -------------------------------------------------------------------
     async def start(self) -> None:
+        """Join the job and start this node's workers; raises :class:`LaunchError`."""
         from phalanx.runtime.comm import host_store  # imports torch: only here
 
         cfg = self.config
         self._loop = asyncio.get_running_loop()
-        self.store = host_store(cfg.store_host)
-        self.bus = bus = await Bus.connect(cfg.nats_url, name=f"launcher-{self.job}")
+        url = cfg.nats_url or nats_url()
+        self.bind = cfg.bind or local_address_towards(url)
+        self.store = host_store(self.bind)
+        try:
+            self.bus = bus = await asyncio.wait_for(
+                Bus.connect(url, name=f"launcher-{self.job}-{self.node}"), cfg.join_timeout_s
+            )
+        except (TimeoutError, OSError) as exc:
+            raise LaunchError(
+                f"no NATS server answers at {url}: start one (`phalanx nats`) or set NATS_URL ({exc!r})"
+            ) from exc
         await bus.nc.subscribe(PLAN.format(job=self.job), cb=self._on_plan)
         await bus.nc.subscribe(DECISION.format(job=self.job), cb=self._on_decision)
-        names = [f"w{i}" for i in range(cfg.nproc + cfg.spares)]
-        self._next_index = len(names)
+        await bus.nc.subscribe(JOINED.format(job=self.job), cb=self._on_joined)
+        bus.reconnect_hooks.append(self._load_committed)
+        joined = await self._join()
+        self.run = joined.run
+        roles = [
+            Role.SPARE if joined.as_spares or i >= cfg.nproc else Role.RANK
+            for i in range(len(joined.workers))
+        ]
+        self.digests = NodeDigestPublisher(
+            bus,
+            job=self.job,
+            node=self.node,
+            launcher=self.id,
+            host=socket.gethostname(),
+            socket_path=self._tmp / "hb.sock",
+            interval_s=heartbeat_interval_s(),
+        )
+        await self.digests.start()
+        self.log.info("node_joined", run=self.run, workers=joined.workers, reason=joined.reason)
+        for name, role in zip(joined.workers, roles, strict=True):
+            self.spawn(name, role)
+
+    async def _join(self) -> NodeJoined:
+        cfg = self.config
+        assert self.bus is not None and self.store is not None and self._loop is not None
         spec = JobSpec(
             job=self.job,
-            world_size=cfg.nproc,
-            min_world_size=cfg.min_nproc or cfg.nproc,
-            max_world_size=cfg.max_nproc or cfg.nproc,
+            node=self.node,
+            launcher=self.id,
+            host=socket.gethostname(),
+            store_addr=self.store_addr,
+            workers=worker_names(cfg.node, cfg.nproc + cfg.spares, qualified=cfg.max_nodes > 1),
+            ranks=cfg.nproc,
+            min_nodes=cfg.min_nodes,
+            max_nodes=cfg.max_nodes,
+            min_world_size=cfg.min_nproc or 0,
             global_batch=cfg.global_batch,
-            workers=names,
-            launch=self.launch,
+            command=command_fingerprint(cfg.cmd),
         )
-        await bus.publish(JOB_SPEC, spec, job=self.job, msg_id=f"{self.job}:spec:{self.launch}")
-        for i, name in enumerate(names):
-            self.spawn(name, Role.RANK if i < cfg.nproc else Role.SPARE)
+        self._joined = self._loop.create_future()
+        await self.bus.publish(JOB_SPEC, spec, job=self.job, msg_id=f"{self.job}:spec:{self.id}")
+        try:
+            joined = await asyncio.wait_for(self._joined, cfg.join_timeout_s)
+        except TimeoutError:
+            raise LaunchError(
+                f"no elasticity-planner answered the join of job {self.job!r} within "
+                f"{cfg.join_timeout_s:g}s: start the services (`phalanx service elasticity-planner`, "
+                f"or `make demo` / LocalStack for everything on one machine)"
+            ) from None
+        if not joined.accepted:
+            raise LaunchError(f"job {self.job!r} refused node {self.node!r}: {joined.reason}")
+        return joined
+
+    async def _on_joined(self, raw: Msg) -> None:
+        try:
+            msg = decode(raw.data, raw.headers, NodeJoined)
+        except Exception as exc:
+            self.log.error("bad_join_answer", error=repr(exc))
+            return
+        if msg.launcher == self.id and self._joined is not None and not self._joined.done():
+            self._joined.set_result(msg)
 
     @property
     def store_addr(self) -> str:
         assert self.store is not None
-        return f"{self.config.store_host}:{self.store.port}"
+        host = f"[{self.bind}]" if ":" in self.bind else self.bind
+        return f"{host}:{self.store.port}"
 
     def spawn(self, name: str, role: Role) -> Worker:
         cfg = self.config
@@ -125,10 +266,14 @@ class Launcher:
             "PHALANX_JOB": self.job,
             "PHALANX_WORKER": name,
             "PHALANX_ROLE": role.value,
+            "PHALANX_NODE": self.node,
             "PHALANX_STORE_ADDR": self.store_addr,
-            "PHALANX_LAUNCH": self.launch,
+            "PHALANX_BIND": self.bind,
+            "PHALANX_LAUNCH": self.run,
             "PYTHONUNBUFFERED": "1",
         }
+        if self.digests is not None:
+            env["PHALANX_HEARTBEAT_SOCKET"] = str(self.digests.socket_path)
         # With NATS authorization on, ranks log in as the rank role, never with the
         # launcher's own credentials (which may publish exits and job specs).
         rank_user = env.pop("PHALANX_NATS_RANK_USER", None)
@@ -142,12 +287,20 @@ class Launcher:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
             out = os.open(cfg.log_dir / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            proc = subprocess.Popen(cfg.cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+            proc = subprocess.Popen(
+                cfg.cmd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                preexec_fn=_die_with_parent,  # spawned from the loop's (main) thread
+            )
         finally:
             if out is not None:
                 os.close(out)
         w = Worker(name, role, proc)
         self.workers[name] = w
+        if self.digests is not None:
+            self.digests.expect(name, proc.pid)
         threading.Thread(target=self._watch, args=(w,), daemon=True, name=f"watch-{name}").start()
         self.log.info("worker_started", worker=name, role=role.value, pid=proc.pid)
         return w
@@ -163,6 +316,8 @@ class Launcher:
     async def _on_exit(self, w: Worker) -> None:
         rc = w.returncode
         assert rc is not None and w.exited_at is not None and self.bus is not None
+        if self.digests is not None:
+            self.digests.forget(w.name)
         event = RankExited(
             job=self.job,
             worker=w.name,
@@ -174,9 +329,10 @@ class Launcher:
         )
         self.log.info("worker_exited", worker=w.name, pid=w.proc.pid, returncode=rc)
         if not self._done.is_set():
-            await self.bus.publish(
-                EXITED, event, job=self.job, msg_id=f"{self.job}:{w.name}:{w.proc.pid}:exit"
-            )
+            with contextlib.suppress(Exception):  # cut off from NATS: the detector hears the silence
+                await self.bus.publish(
+                    EXITED, event, job=self.job, msg_id=f"{self.job}:{w.name}:{w.proc.pid}:exit"
+                )
         self._check_done()
 
     def _check_done(self) -> None:
@@ -194,16 +350,44 @@ class Launcher:
         except Exception as exc:
             self.log.error("bad_plan", error=repr(exc))
             return
-        if plan.launch != self.launch or (self.plan is not None and plan.generation <= self.plan.generation):
+        self._apply_plan(plan)
+
+    async def _load_committed(self) -> None:
+        """After a reconnect: the plans published meanwhile are in KV, not in the subscription."""
+        assert self.bus is not None
+        try:
+            kv = await self.bus.js.key_value(JOBS_BUCKET)
+            entry = await kv.get(f"{self.job}.plan")
+        except Exception as exc:
+            self.log.info("no_committed_plan", error=repr(exc))
+            return
+        if entry.value:
+            self._apply_plan(decode(entry.value, headers_for(Plan), Plan))
+
+    def _apply_plan(self, plan: Plan) -> None:
+        if not self.run or plan.launch != self.run:
+            return
+        if self.plan is not None and plan.generation <= self.plan.generation:
             return
         self.plan = plan
-        for name in plan.removed:
-            w = self.workers.get(name)
-            if w is not None and w.proc.poll() is None:
+        if self.id in plan.lost_launchers:
+            # This node was declared lost (cut off): its workers may still be blocked
+            # in a collective of an old generation. Nothing of it may go on.
+            self.removed_reason = f"node {self.node} was declared lost (generation {plan.generation})"
+            self.log.error("node_removed", generation=plan.generation, reason=plan.reason)
+            self._fence([w for w in self.workers if self.workers[w].proc.poll() is None], plan)
+            self._done.set()
+            return
+        self._fence([w for w in plan.removed if w in self.workers], plan)
+        self._check_done()
+
+    def _fence(self, names: list[str], plan: Plan) -> None:
+        for name in names:
+            w = self.workers[name]
+            if w.proc.poll() is None:
                 self.log.warning("fencing_worker", worker=name, generation=plan.generation)
                 with contextlib.suppress(ProcessLookupError):
                     w.proc.send_signal(signal.SIGKILL)
-        self._check_done()
 
     async def _on_decision(self, raw: Msg) -> None:
         try:
@@ -215,12 +399,28 @@ class Launcher:
             self.log.error("job_stopped_by_planner", reason=d.reason)
             self.decision = d
             self._done.set()
+        elif d.action is Action.COMPLETE and not self._running_members():
+            # A node with spares only: nothing of it is needed any more. A node with
+            # members waits for them (rank 0 may still be writing the weights).
+            self.log.info("job_completed", reason=d.reason)
+            self._done.set()
+
+    def _running_members(self) -> list[str]:
+        plan = self.plan
+        if plan is None:
+            return []
+        return [
+            m.worker
+            for m in plan.members
+            if m.worker in self.workers and self.workers[m.worker].proc.poll() is None
+        ]
 
     # -- end ---------------------------------------------------------------------------
     async def wait(self, timeout_s: float | None = None) -> int:
-        """Wait for the job to end; 0 when it completed, 1 when the planner stopped it."""
+        """Wait for the job to end on this node: 0 when it completed, 1 when the
+        planner stopped it or this node was removed from it."""
         await asyncio.wait_for(self._done.wait(), timeout_s)
-        return 1 if self.decision is not None else 0
+        return 1 if self.decision is not None or self.removed_reason is not None else 0
 
     def kill(self, worker: str, sig: int = signal.SIGKILL) -> float:
         """Send ``sig`` to a worker (fault injection by a test or benchmark); returns the time."""
@@ -241,14 +441,22 @@ class Launcher:
                 await asyncio.sleep(0.02)
             if w.proc.poll() is None:
                 w.proc.kill()
+        if self.digests is not None:
+            for name in self.workers:  # all ended: the last digest lists none, so no one is missed
+                self.digests.forget(name)
+            await self.digests.stop()
         if self.bus is not None:
             await self.bus.close()
+        with contextlib.suppress(OSError):
+            for p in self._tmp.iterdir():
+                p.unlink()
+            self._tmp.rmdir()
 
 
 async def run(config: LaunchConfig, timeout_s: float | None = None) -> int:
     launcher = Launcher(config)
-    await launcher.start()
     try:
+        await launcher.start()
         return await launcher.wait(timeout_s)
     finally:
         await launcher.stop()

@@ -21,8 +21,9 @@ does not exit. Recovery, each phase timed and traced in the incident's trace:
 1. ``abort``: drop the broken process group (its sockets close, which releases
    peers still blocked in the collective);
 2. wait for the planner's next generation (a hot spare takes the lost rank);
-3. ``comm_init``: an abandonable arrival barrier on the job's store, then a new
-   gloo group under the generation's own prefix;
+3. ``comm_init``: an abandonable arrival barrier on the store the plan names
+   (hosted by a launcher; it moves when its node is lost), then a new gloo group
+   under the generation's own prefix, listening on this node's interface;
 4. ``state_transfer``: ranks all-reduce their step counters; the most advanced
    rank sends model, optimizer, RNG and data position (CRC-checked) to every
    member behind it -- the joiner, and any survivor that missed the last update;
@@ -340,8 +341,9 @@ class Trainer:
             try:
                 self.job.faults.fire(self.job.worker, "recovery", plan.generation)
                 t = time.time()
+                store = self.job.store_at(plan.store_addr)
                 arrival_barrier(
-                    self.job.store,
+                    store,
                     plan.store_prefix,
                     rank,
                     plan.world_size,
@@ -349,7 +351,12 @@ class Trainer:
                     self.rendezvous_timeout_s,
                 )
                 comm = Communicator(
-                    self.job.store, plan.store_prefix, rank, plan.world_size, self.collective_timeout_s
+                    store,
+                    plan.store_prefix,
+                    rank,
+                    plan.world_size,
+                    self.collective_timeout_s,
+                    bind=self.job.bind,
                 )
                 t = rec.mark("comm_init", t)
                 rec.bytes_received = self._sync_state(comm, rank)

@@ -2,7 +2,8 @@
 
 Events say what happened (a rank exited, a rank is hung, a plan was decided);
 commands say what to do (a plan for a new generation). A worker is a process
-slot in a job (``w0``..``wN``, spares included); a rank is a worker's position in
+slot in a job (``w0``..``wN`` in a one-node job, ``<node>-w0``.. when the job may
+span nodes; spares included); a rank is a worker's position in
 the current generation's process group, and changes only through a plan.
 """
 
@@ -113,24 +114,123 @@ class RankHung(_Fault):
     KIND = "rank_hung"
 
 
+NodeId = str
+_NAME = r"^[A-Za-z0-9_-]+$"
+
+
+class NodeLost(JobMessage):
+    """The failure-detector's verdict on a whole node: its launcher's digests
+    stopped (power, kernel, NIC, a partition). Every worker of the node is lost at
+    once, so the planner replaces them in one generation."""
+
+    KIND = "node_lost"
+    incident: str = Field(description="Stable id of the incident; also the Nats-Msg-Id.")
+    node: NodeId = Field(max_length=64, pattern=_NAME)
+    launcher: str = Field(default="", max_length=64, description="The launcher whose digests stopped.")
+    workers: list[WorkerId]
+    cause: FaultCause
+    fault_at: float = Field(description="When the detector infers the node went silent.")
+    detected_at: float = Field(default_factory=now)
+    evidence: Evidence = Field(default_factory=dict)
+
+
+class DigestEntry(Message):
+    """One local worker in a node digest: its own latest heartbeat as the launcher
+    received it, and how long ago (the launcher's clock), so the detector can date it."""
+
+    worker: WorkerId
+    pid: int
+    seq: int = Field(ge=0)
+    rank: int = Field(ge=-1)
+    generation: int = Field(ge=0)
+    step: int = Field(ge=0)
+    step_ms: float = Field(ge=0)
+    phase: Phase
+    phase_ms: float = Field(ge=0)
+    age_ms: float = Field(ge=0, description="Time since the launcher received this heartbeat.")
+    interval_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="The worker's own heartbeat interval (0: unknown; the detector takes the digest's).",
+    )
+
+
+class NodeDigest(JobMessage):
+    """Published by each node's launcher every heartbeat interval on core NATS:
+    the node is alive (its own sequence) and so is each local worker whose entry
+    moved on. 2,000 nodes x 8 ranks are 2,000 messages per interval, not 16,000."""
+
+    KIND = "node_digest"
+    node: NodeId = Field(max_length=64, pattern=_NAME)
+    launcher: str = Field(min_length=1, max_length=64)
+    host: str
+    seq: int = Field(ge=0)
+    interval_ms: float = Field(gt=0)
+    entries: list[DigestEntry] = Field(default_factory=list)
+
+
 class JobSpec(JobMessage):
-    """What the launcher asks of the planner for a job."""
+    """One node's launcher asks to join a job (``phalanx run`` on that node).
+
+    The job-level settings (``min_nodes``..``max_nodes``, ``min_world_size``,
+    ``global_batch``, ``command``) must agree with those of the nodes already in
+    the job; the planner refuses a launcher that disagrees (:class:`NodeJoined`
+    with ``accepted=False`` and the reason) and changes nothing. The first
+    ``ranks`` of ``workers`` start as ranks, the rest as hot spares; a node that
+    joins a running job brings spare capacity only.
+    """
 
     KIND = "job_spec"
-    world_size: int = Field(ge=1)
-    min_world_size: int = Field(ge=1)
-    max_world_size: int = Field(ge=1)
+    node: NodeId = Field(default="local", max_length=64, pattern=_NAME, description="The node's name.")
+    launcher: str = Field(min_length=1, max_length=64, description="Id of this launcher process.")
+    host: str = Field(default="", max_length=255)
+    store_addr: str = Field(
+        default="", max_length=300, description="host:port of the rendezvous store this launcher hosts."
+    )
+    workers: list[WorkerId] = Field(min_length=1)
+    ranks: int = Field(ge=0, description="How many of ``workers`` start as ranks.")
+    min_nodes: int = Field(default=1, ge=1)
+    max_nodes: int = Field(default=1, ge=1)
+    min_world_size: int = Field(
+        default=0, ge=0, description="Smallest world a shrink may leave; 0: the world it started with."
+    )
     global_batch: int = Field(ge=1)
-    workers: list[WorkerId]
-    launch: str = Field(default="", max_length=64, description="Id of this launch of the job.")
+    command: str = Field(default="", max_length=128, description="Fingerprint of the training command.")
 
     @model_validator(mode="after")
     def _sizes(self) -> JobSpec:
-        if not self.min_world_size <= self.world_size <= self.max_world_size:
-            raise ValueError("need min_world_size <= world_size <= max_world_size")
-        if len(self.workers) < self.world_size:
-            raise ValueError("fewer workers than world_size")
+        if self.min_nodes > self.max_nodes:
+            raise ValueError("need min_nodes <= max_nodes")
+        if self.ranks > len(self.workers):
+            raise ValueError("more ranks than workers")
+        if len(set(self.workers)) != len(self.workers):
+            raise ValueError("a worker appears twice")
         return self
+
+    def settings(self) -> dict[str, object]:
+        """What every launcher of one run must agree on."""
+        return {
+            "min_nodes": self.min_nodes,
+            "max_nodes": self.max_nodes,
+            "min_world_size": self.min_world_size,
+            "global_batch": self.global_batch,
+            "command": self.command,
+        }
+
+
+class NodeJoined(JobMessage):
+    """The planner's answer to a :class:`JobSpec`: accepted into run ``run``, or refused."""
+
+    KIND = "node_joined"
+    node: NodeId = Field(max_length=64, pattern=_NAME)
+    launcher: str = Field(min_length=1, max_length=64)
+    accepted: bool
+    run: str = Field(default="", max_length=64, description="The job-level run id ranks filter plans by.")
+    as_spares: bool = Field(default=False, description="The job is running: start every worker as a spare.")
+    workers: list[WorkerId] = Field(
+        default_factory=list, description="The names to start the workers under (unique in the run)."
+    )
+    reason: str = Field(default="", max_length=2000)
 
 
 class Member(Message):
@@ -150,7 +250,17 @@ class Plan(JobMessage):
     incident: str | None = None
     reason: str
     store_prefix: str = Field(description="Rendezvous prefix, unique per generation.")
-    launch: str = Field(default="", max_length=64, description="The launch this plan belongs to.")
+    store_addr: str = Field(
+        default="", max_length=300, description="host:port of the store this generation meets on."
+    )
+    launch: str = Field(default="", max_length=64, description="The job-level run this plan belongs to.")
+    nodes: dict[WorkerId, NodeId] = Field(
+        default_factory=dict, description="The node of every member and spare (worker -> node)."
+    )
+    lost_launchers: list[str] = Field(
+        default_factory=list,
+        description="Launchers of this run whose node was declared lost: they fence their workers and end.",
+    )
 
     @model_validator(mode="after")
     def _dense(self) -> Plan:
@@ -178,6 +288,8 @@ class Action(StrEnum):
     REFORM = "reform"  # same members, new generation: the group broke but nobody died
     HOLD = "hold"
     STOP = "stop"
+    JOIN = "join"  # a node joined the job (its workers are ranks or spares)
+    COMPLETE = "complete"  # the members finished: launchers end, spares leave
 
 
 class PlanDecision(JobMessage):

@@ -1,0 +1,229 @@
+"""Jobs that span nodes: one ``phalanx run`` per network namespace, NATS and the
+services in a namespace of their own, real gloo between the nodes' addresses.
+
+A node loss is ``kill -9`` of every process of its namespace (launcher, ranks and
+spares); a partition is its link set down. Every same-size case must end with
+weights bitwise equal to the fault-free run of the same world size, and nothing
+may hang (each job has a deadline). Skipped, with the reason, where network
+namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.train_gpt import command as train_command
+from phalanx.localstack import JobResult, LocalStack
+from phalanx.netns import NetnsCluster
+from phalanx.schemas import Action, Plan
+from tests.e2e.conftest import SMALL_GPT, STEPS
+from tests.e2e.test_recovery import actions, assert_bitwise_equal
+
+pytestmark = pytest.mark.slow
+
+NODES = ["ctl", "a", "b", "c"]
+# (ranks, spares) per node: world 4 on three nodes, a spare on each.
+LAYOUT = {"a": (2, 1), "b": (1, 1), "c": (1, 1)}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[NetnsCluster]:
+    ok, why = NetnsCluster.available()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    with NetnsCluster(NODES) as cl:
+        yield cl
+
+
+@pytest.fixture(scope="module")
+def mstack(cluster: NetnsCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    env = {
+        "PHALANX_STALL_FLOOR_MS": "1500",
+        "PHALANX_STALL_INITIAL_MS": "10000",
+        "PHALANX_PLANNER_COMM_GRACE_S": "1.0",
+        # a partitioned peer gives no socket error: survivors leave the collective at this bound
+        "PHALANX_COLLECTIVE_TIMEOUT_S": "8",
+        "PHALANX_DATA_CACHE_DIR": str(tmp_path_factory.mktemp("datacache-mn")),
+    }
+    with LocalStack(
+        tmp_path_factory.mktemp("mstack"),
+        services=("failure-detector", "elasticity-planner"),
+        env=env,
+        cluster=cluster,
+    ) as s:
+        yield s
+
+
+RunNodes = Callable[..., tuple[JobResult, dict[str, torch.Tensor] | None]]
+
+
+@pytest.fixture(scope="module")
+def run_nodes(mstack: LocalStack, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> RunNodes:
+    out = tmp_path_factory.mktemp("mn-weights")
+    counter = iter(range(1_000_000))
+
+    def run(
+        layout: dict[str, tuple[int, int]] = LAYOUT, **kwargs: object
+    ) -> tuple[JobResult, dict[str, torch.Tensor] | None]:
+        job = f"mn{next(counter)}"
+        save, steps_log = out / f"{job}.pt", out / f"{job}.steps"
+        cmd = train_command(STEPS, corpus, *SMALL_GPT, save=save, steps_log=steps_log)
+        result = mstack.run_nodes(
+            job, cmd, nodes=layout, global_batch=12, steps_log=steps_log, timeout_s=240, **kwargs
+        )
+        return result, (torch.load(save) if save.exists() else None)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference4(run_nodes: RunNodes) -> dict[str, torch.Tensor]:
+    result, weights = run_nodes()
+    assert result.returncode == 0, (result.node_returncodes, result.decisions)
+    assert weights is not None
+    first = result.plans[0]
+    assert first.world_size == 4 and set(first.nodes.values()) == {"a", "b", "c"}
+    return weights
+
+
+def node_of_store(cluster: NetnsCluster, plan: Plan) -> str:
+    host = plan.store_addr.rpartition(":")[0]
+    return next(n for n in NODES if cluster.ip(n) == host)
+
+
+def final(result: JobResult) -> Plan:
+    return max(result.plans, key=lambda p: p.generation)
+
+
+def test_fault_free_run_spans_three_nodes(reference4: dict[str, torch.Tensor]) -> None:
+    assert reference4  # the fixture checked the run; other tests compare against it
+
+
+def test_rank_killed_is_replaced_by_a_spare_on_its_node(
+    run_nodes: RunNodes, reference4: dict[str, torch.Tensor]
+) -> None:
+    result, weights = run_nodes(faults="kill:b-w0@step=5")
+    assert actions(result) == [Action.START, Action.REPLACE]
+    plan = final(result)
+    lost_rank = result.plans[0].rank_of("b-w0")
+    joiner = next(m.worker for m in plan.members if m.rank == lost_rank)
+    assert plan.nodes[joiner] == "b", plan  # the node that holds the rank's prepared shards
+    assert result.returncode == 0, result.node_returncodes
+    assert_bitwise_equal(weights, reference4)
+
+
+def test_whole_node_killed_is_replaced_by_spares_elsewhere(
+    run_nodes: RunNodes, reference4: dict[str, torch.Tensor], cluster: NetnsCluster
+) -> None:
+    # b holds rank(s) but not rank 0 (which writes the steps log) nor, if it can
+    # be helped, the store: the store's own loss is the next test.
+    result, weights = run_nodes(actions=[(5, lambda r: cluster.kill_node(_victim(cluster, r, store=False)))])
+    assert len(result.node_losses) == 1, result.node_losses
+    lost = result.node_losses[0].node
+    plan = final(result)
+    assert lost not in plan.nodes.values() and plan.world_size == 4
+    assert result.node_returncodes[lost] < 0  # killed, the others ended cleanly
+    assert all(rc == 0 for n, rc in result.node_returncodes.items() if n != lost), result.node_returncodes
+    assert_bitwise_equal(weights, reference4)
+
+
+def test_node_hosting_the_store_killed_moves_the_rendezvous(
+    run_nodes: RunNodes, reference4: dict[str, torch.Tensor], cluster: NetnsCluster
+) -> None:
+    result, weights = run_nodes(actions=[(5, lambda r: cluster.kill_node(_victim(cluster, r, store=True)))])
+    assert len(result.node_losses) == 1, result.node_losses
+    lost = result.node_losses[0].node
+    first, last = result.plans[0], final(result)
+    assert node_of_store(cluster, first) == lost
+    assert node_of_store(cluster, last) != lost and last.store_addr != first.store_addr
+    assert all(rc == 0 for n, rc in result.node_returncodes.items() if n != lost), result.node_returncodes
+    assert_bitwise_equal(weights, reference4)
+
+
+def test_partitioned_node_is_replaced_and_its_stale_ranks_exit_after_reconnecting(
+    run_nodes: RunNodes, reference4: dict[str, torch.Tensor], cluster: NetnsCluster
+) -> None:
+    cut: list[str] = []
+
+    def partition(r: JobResult) -> None:
+        cut.append(_victim(cluster, r, store=False))
+        cluster.partition(cut[0])
+
+    def heal(r: JobResult) -> None:
+        cluster.heal(cut[0])
+
+    result, weights = run_nodes(actions=[(4, partition), (10, heal)])
+    assert [n.node for n in result.node_losses] == cut
+    plan = final(result)
+    assert cut[0] not in plan.nodes.values() and plan.world_size == 4
+    # The cut-off launcher saw it was declared lost once it could hear again:
+    # it fenced its own ranks and ended with 1; nothing of it trains on.
+    assert result.node_returncodes[cut[0]] == 1, result.node_returncodes
+    assert not cluster.pids(cut[0])
+    generations = [p.generation for p in result.plans]
+    assert generations == sorted(set(generations)), "a generation was forked or repeated"
+    assert all(rc == 0 for n, rc in result.node_returncodes.items() if n != cut[0])
+    assert_bitwise_equal(weights, reference4)
+
+
+def test_launcher_killed_alone_takes_its_ranks_and_a_new_one_joins_as_spares(
+    run_nodes: RunNodes, reference4: dict[str, torch.Tensor], cluster: NetnsCluster
+) -> None:
+    victim: list[str] = []
+    again: list[subprocess.Popen[bytes]] = []
+    launch: dict[str, bytes] = {}
+
+    def kill_launcher(r: JobResult) -> None:
+        node = _victim(cluster, r, store=False)
+        victim.append(node)
+        # the launcher is the namespace's `phalanx.cli run` process; its ranks are its children
+        pid = next(p for p in cluster.pids(node) if b"phalanx.cli" in _proc(p, "cmdline"))
+        launch["cmdline"], launch["environ"] = _proc(pid, "cmdline"), _proc(pid, "environ")
+        os.kill(pid, signal.SIGKILL)
+
+    def start_again(r: JobResult) -> None:
+        argv = [a.decode() for a in launch["cmdline"].split(b"\0") if a]
+        env = dict(e.decode().split("=", 1) for e in launch["environ"].split(b"\0") if b"=" in e)
+        again.append(subprocess.Popen(cluster.argv(victim[0], argv), env=env))
+
+    try:
+        result, weights = run_nodes(actions=[(4, kill_launcher), (9, start_again)])
+        node = victim[0]
+        assert [n.node for n in result.node_losses] == [node]
+        assert all(rc == 0 for n, rc in result.node_returncodes.items() if n != node), result.node_returncodes
+        assert_bitwise_equal(weights, reference4)
+        joins = [d.reason for d in result.decisions if d.action is Action.JOIN]
+        assert any(f"node {node} joined" in j and "spare capacity" in j for j in joins), joins
+        assert again[0].wait(30) == 0  # it ended with the job, as spare capacity
+    finally:
+        for p in again:
+            if p.poll() is None:
+                p.kill()
+    # the dead launcher's ranks and spare died with it (parent-death signal)
+    deadline = time.monotonic() + 10
+    while cluster.pids(victim[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not cluster.pids(victim[0]), "processes of the dead launcher are still running"
+
+
+def _proc(pid: int, what: str) -> bytes:
+    return Path(f"/proc/{pid}/{what}").read_bytes()
+
+
+def _victim(cluster: NetnsCluster, result: JobResult, *, store: bool) -> str:
+    """The store's node when ``store``; else a node of the current plan that holds
+    neither rank 0 (it writes the steps log the actions are timed by) nor the store."""
+    plan = final(result)
+    store_node = node_of_store(cluster, plan)
+    if store:
+        return store_node
+    rank0 = plan.nodes[next(m.worker for m in plan.members if m.rank == 0)]
+    return next(n for n in LAYOUT if n not in (rank0, store_node))
