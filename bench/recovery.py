@@ -225,6 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     corpus = REPO / DEFAULT_OUT
     build_corpus(corpus)
     work = Path(tempfile.mkdtemp(prefix="phalanx-bench-recovery-"))
+    nodes: dict[str, Any] = {}
+    if args.nodes:
+        nodes = node_loss_trials(
+            work, nodes=args.nodes, trials=args.node_trials, steps=args.node_steps, corpus=corpus
+        )
+        if args.skip_single:
+            print(json.dumps(nodes), flush=True)
+            return 0
     ks = fault_steps(args.trials, args.steps)
     px: list[dict[str, Any]] = []
     rs: list[dict[str, Any]] = []
@@ -275,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "nproc": args.nproc,
         "spares": 1,
         "model_params": GPT().num_params(),
+        **nodes,
     }
     print(json.dumps(out), flush=True)
     return 0

@@ -1,6 +1,6 @@
 """The ``phalanx`` command.
 
-phalanx nats [--port P] [--store DIR]              run an embedded nats-server
+phalanx nats [--host H] [--port P] [--store DIR]   run an embedded nats-server
 phalanx service NAME                               run one service (failure-detector, ...)
 phalanx run --nproc N [--spares K] [--job J] -- python train.py ...          one node
 phalanx run --nnodes MIN[:MAX] --node-id NAME --nproc-per-node N [--spares-per-node K]
@@ -32,7 +32,7 @@ def _cmd_nats(args: argparse.Namespace) -> int:
 
     stop = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # delivered to sigwait, not fatal
-    srv = NatsServer(port=args.port, store_dir=args.store).start()
+    srv = NatsServer(port=args.port, store_dir=args.store, host=args.host).start()
     print(srv.url, flush=True)
     try:
         signal.sigwait(stop)
@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     n = sub.add_parser("nats", help="run an embedded nats-server with JetStream")
     n.add_argument("--port", type=int, default=4222)
+    n.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (the one other nodes reach, for several)"
+    )
     n.add_argument("--store", default=".phalanx/nats")
     n.set_defaults(fn=_cmd_nats)
     s = sub.add_parser("service", help="run one service")

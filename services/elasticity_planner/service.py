@@ -282,12 +282,12 @@ class ElasticityPlanner(Service):
             self.jobs[msg.job] = state
         refusal = self._refusal(state, msg)
         if refusal is not None:
-            self.log.warning(
-                "node_refused", job=msg.job, node=msg.node, launcher=msg.launcher, reason=refusal
+            reason, retry = refusal
+            self.log.warning("node_refused", job=msg.job, node=msg.node, launcher=msg.launcher, reason=reason)
+            answer = NodeJoined(
+                job=msg.job, node=msg.node, launcher=msg.launcher, accepted=False, reason=reason, retry=retry
             )
-            await self._publish_answer(
-                NodeJoined(job=msg.job, node=msg.node, launcher=msg.launcher, accepted=False, reason=refusal)
-            )
+            await self.bus.publish(JOINED, answer, job=msg.job)  # not de-duplicated: a retry gets its own
             if not state.nodes:  # it would have opened the run: nothing of it stays
                 del self.jobs[msg.job]
             return
@@ -308,18 +308,20 @@ class ElasticityPlanner(Service):
             await self._on_registered(reg)
         await self._maybe_start(state)
 
-    def _refusal(self, state: JobState, spec: JobSpec) -> str | None:
+    def _refusal(self, state: JobState, spec: JobSpec) -> tuple[str, bool] | None:
+        """Why ``spec`` cannot join, and whether asking again later may succeed."""
         if not state.nodes:
             return None
         mine, theirs = spec.settings(), state.spec.settings()
         differ = [f"{k}={mine[k]!r} (the job has {theirs[k]!r})" for k in theirs if mine[k] != theirs[k]]
         if differ:
-            return f"settings differ from the job's: {', '.join(differ)}"
+            return f"settings differ from the job's: {', '.join(differ)}", False
         live = state.live_nodes()
         if spec.node in live:
-            return f"node {spec.node} is already in the job (launcher {state.nodes[spec.node].launcher})"
+            old = state.nodes[spec.node].launcher
+            return f"node {spec.node} is already in the job (launcher {old}, not declared lost)", True
         if len(live) >= state.spec.max_nodes:
-            return f"the job already has max_nodes={state.spec.max_nodes} nodes"
+            return f"the job already has max_nodes={state.spec.max_nodes} nodes", True
         return None
 
     @staticmethod

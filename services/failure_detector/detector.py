@@ -114,6 +114,7 @@ from phalanx.schemas import (
 __all__ = [
     "Clock",
     "Detector",
+    "DigestRow",
     "DetectorConfig",
     "FakeClock",
     "Incident",
@@ -121,6 +122,7 @@ __all__ = [
     "NodeIncident",
     "Stats",
     "Verdict",
+    "digest_row",
     "incident_id",
     "node_incident_id",
     "phi",
@@ -128,6 +130,10 @@ __all__ = [
 ]
 
 Clock = Callable[[], float]
+DigestRow = tuple[str, int, int, int, int, int, float, Phase, float, float, float]
+"""One digest entry as the detector reads it: ``(worker, pid, seq, rank, generation,
+step, step_ms, phase, phase_ms, age_ms, interval_ms)``, the fields of
+:class:`~phalanx.schemas.DigestEntry` in order (a tuple: 16,000 of them per interval)."""
 _LOG10_E = math.log10(math.e)
 _SQRT2 = math.sqrt(2.0)
 _LOG10_SQRT_2PI = math.log10(math.sqrt(2.0 * math.pi))
@@ -151,6 +157,14 @@ def node_incident_id(job: str, node: str, launcher: str) -> str:
     'j1:node:node-b:7001'
     """
     return f"{job}:node:{node}:{launcher}"
+
+
+def digest_row(e: DigestEntry) -> DigestRow:
+    """The :data:`DigestRow` of a validated entry."""
+    return (
+        e.worker, e.pid, e.seq, e.rank, e.generation, e.step, e.step_ms,
+        e.phase, e.phase_ms, e.age_ms, e.interval_ms,
+    )  # fmt: skip
 
 
 def phi_threshold_z(threshold: float) -> float:
@@ -237,6 +251,32 @@ class IntervalWindow:
             return 0.0
         m = self._sum / n
         return math.sqrt(max(0.0, self._sumsq / n - m * m))
+
+    def estimate(
+        self, declared: float, min_samples: int, min_std_ratio: float, min_std: float
+    ) -> tuple[float, float]:
+        """(mean, floored std), the detector's hot path (every heartbeat): with fewer
+        than ``min_samples`` samples, the larger of ``declared`` and the mean with a
+        wide std; else the window's own, std floored at ``max(min_std_ratio * mean,
+        min_std)``.
+
+        >>> w = IntervalWindow(10); w.add(1.0)
+        >>> w.estimate(2.0, 2, 0.2, 0.01)
+        (2.0, 0.5)
+        >>> w.add(1.0); w.estimate(2.0, 2, 0.2, 0.01)
+        (1.0, 0.2)
+        """
+        n = len(self._samples)
+        if n < min_samples:  # not enough evidence yet: trust the declared interval, widely
+            mean = self._sum / n if n else 0.0
+            mean = mean if mean > declared else declared
+            return mean, max(mean / 4.0, min_std_ratio * mean, min_std)
+        mean = self._sum / n
+        var = self._sumsq / n - mean * mean
+        std = math.sqrt(var) if var > 0.0 else 0.0
+        floor = min_std_ratio * mean
+        floor = floor if floor > min_std else min_std
+        return mean, std if std > floor else floor
 
 
 @dataclass(frozen=True)
@@ -356,7 +396,7 @@ class _Kind(Enum):
     NODE = 2
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(eq=False, kw_only=True, slots=True)
 class _Beat:
     """Arrivals of something that heartbeats (a worker, a node) and its silence deadline."""
 
@@ -373,11 +413,14 @@ class _Beat:
     """Silence (from the last heartbeat or the end of a hold) at which phi crosses the threshold."""
     slack_s: float = 0.0
     """Added to the threshold: how late evidence may arrive beyond the sender's own rhythm."""
+    stale: bool = False
+    """``mean_s``.. ``slack_s`` lag the samples (a worker's, see ``Detector._schedule_worker``):
+    read them after ``Detector._fresh``."""
     silence_at: float | None = None
     """When the live heap entry for silence fires."""
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(eq=False, kw_only=True, slots=True)
 class _Node(_Beat):
     """What the detector knows about one node's launcher."""
 
@@ -393,7 +436,7 @@ class _Node(_Beat):
         return (self.job, self.node)
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(eq=False, kw_only=True, slots=True)
 class _Worker(_Beat):
     """What the detector knows about one live incarnation of a worker."""
 
@@ -483,6 +526,11 @@ class Detector:
         self.stats = Stats()
         self._z = phi_threshold_z(self.config.phi_threshold)
         self._pause = 1.0 + self.config.pause_ratio
+        c = self.config
+        self._min_samples, self._min_std_ratio, self._min_std = c.min_samples, c.min_std_ratio, c.min_std_s
+        self._digest_slack = c.digest_slack_ratio
+        self._stall_floor, self._stall_factor = c.stall_floor_s, c.stall_factor
+        self._stall_initial = max(c.stall_floor_s, c.stall_initial_s)
         self._tracked: dict[tuple[str, str], _Worker] = {}
         self._nodes: dict[tuple[str, str], _Node] = {}
         self._heap: list[tuple[float, int, _Kind, tuple[str, str], int]] = []
@@ -530,6 +578,7 @@ class Detector:
         if w is None:
             return None
         now = self.clock()
+        self._fresh(w)
         return {
             "pid": w.pid,
             "rank": w.rank,
@@ -593,14 +642,29 @@ class Detector:
         """Learn from one node's digest (the node is alive, and so is each worker whose
         entry moved on); returns False when it was ignored: a repeated or out-of-order
         ``seq``, or a launcher already judged lost."""
+        rows = [digest_row(e) for e in d.entries]
+        return self.observe_digest_rows(d.job, d.node, d.launcher, d.host, d.seq, d.interval_ms, rows)
+
+    def observe_digest_rows(
+        self,
+        job: str,
+        node: str,
+        launcher: str,
+        host: str,
+        seq: int,
+        interval_ms: float,
+        rows: list[DigestRow],
+    ) -> bool:
+        """:meth:`observe_digest` for a digest already validated and taken apart (the
+        service's hot path: no model per entry)."""
         now, wall = self.clock(), self.wall()
-        key = (d.job, d.node)
-        if node_incident_id(d.job, d.node, d.launcher) in self._closed:
+        key = (job, node)
+        if node_incident_id(job, node, launcher) in self._closed:
             self.stats.ignored_digests += 1
             return False
         n = self._nodes.get(key)
-        interval = d.interval_ms / 1e3
-        if n is None or n.launcher != d.launcher:
+        interval = interval_ms / 1e3
+        if n is None or n.launcher != launcher:
             if n is not None:  # a new launcher on the node: the old one is gone for good
                 self._close(node_incident_id(n.job, n.node, n.launcher), "replaced")
             n = _Node(
@@ -608,35 +672,60 @@ class Detector:
                 declared_s=interval,
                 last_arrival=now,
                 last_wall=wall,
-                last_seq=d.seq,
+                last_seq=seq,
                 intervals=IntervalWindow(self.config.window),
-                job=d.job,
-                node=d.node,
-                launcher=d.launcher,
-                host=d.host,
+                job=job,
+                node=node,
+                launcher=launcher,
+                host=host,
             )
             self._nodes[key] = n
-        elif d.seq <= n.last_seq:
+        elif seq <= n.last_seq:
             self.stats.ignored_digests += 1
             return False
         else:
             if n.last_arrival >= self._hold_until:
                 n.intervals.add(now - n.last_arrival)
-            n.last_arrival, n.last_wall, n.last_seq = now, wall, d.seq
+            n.last_arrival, n.last_wall, n.last_seq = now, wall, seq
             n.declared_s = interval
         self.stats.digests += 1
-        n.host = d.host
-        listed = {(e.worker, e.pid) for e in d.entries}
-        for worker, pid in n.workers:
-            w = self._tracked.get((d.job, worker))
-            if (worker, pid) not in listed and w is not None and w.pid == pid and w.node == n.key:
-                # The launcher forgets a worker once its process has ended: not a silence.
-                # A crash is judged by the launcher's exit report, which still finds no verdict.
-                del self._tracked[w.key]
-        n.workers = [(e.worker, e.pid) for e in d.entries if e.phase is not Phase.DONE]
+        n.host = host
+        done = Phase.DONE
+        workers = [(r[0], r[1]) for r in rows if r[7] is not done]
+        if workers != n.workers:  # (the same workers as last time: nobody left)
+            listed = {(r[0], r[1]) for r in rows}
+            for worker, pid in n.workers:
+                w = self._tracked.get((job, worker))
+                if (worker, pid) not in listed and w is not None and w.pid == pid and w.node == key:
+                    # The launcher forgets a worker once its process has ended: not a silence.
+                    # A crash is judged by the launcher's exit report, which still finds no verdict.
+                    del self._tracked[w.key]
+            n.workers = workers
         self._schedule(n)
-        for e in d.entries:  # a worker's own interval when the launcher knows it
-            self._observe_entry(n, e, e.interval_ms / 1e3 or interval, interval, now, wall)
+        # The hot path (16,000 entries per interval at 2,000 nodes): a known worker
+        # whose entry moved on. Anything else takes _observe_entry.
+        heard = 0
+        tracked, done, hold, host = self._tracked, Phase.DONE, self._hold_until, n.host
+        for row in rows:
+            worker, pid, seq, rank, generation, step, step_ms, phase, phase_ms, age_ms, interval_ms = row
+            w = tracked.get((job, worker))
+            age = age_ms / 1e3
+            at, at_wall = now - age, wall - age  # when the launcher received the heartbeat
+            if w is None or w.pid != pid or seq <= w.last_seq or phase is done:
+                heard += self._observe_entry(n, row, w, at, at_wall, interval)
+                continue
+            last = w.last_arrival
+            if last >= hold:  # one sample per heartbeat the entry moved on by
+                w.intervals.add((at - last if at > last else 0.0) / (seq - w.last_seq))
+            w.last_arrival, w.last_wall, w.last_seq = (at if at > last else last), at_wall, seq
+            w.declared_s = interval_ms / 1e3 or interval  # its own interval when the launcher knows it
+            w.node, w.digest_s = key, interval
+            w.rank, w.generation, w.host = rank, generation, host
+            self._learn_progress(w, phase, phase_ms, step, step_ms, at, at_wall, False)
+            self._schedule_worker(w)
+            heard += 1
+        self.stats.heartbeats += heard
+        self.stats.digest_entries += heard
         return True
 
     def on_exit(self, ex: RankExited) -> Incident | None:
@@ -748,38 +837,28 @@ class Detector:
             del self._tracked[w.key]
 
     def _observe_entry(
-        self, n: _Node, e: DigestEntry, interval: float, digest_s: float, now: float, wall: float
-    ) -> None:
-        if e.phase is Phase.DONE:
-            self._goodbye(n.job, e.worker, e.pid)
-            return
-        w = self._tracked.get((n.job, e.worker))
-        age = e.age_ms / 1e3
-        at, at_wall = now - age, wall - age  # when the launcher received the heartbeat
-        if w is None or w.pid != e.pid:
-            if incident_id(n.job, e.worker, e.pid) in self._closed:
-                return
-            w = self._new_worker(
-                n.job, e.worker, e.pid, n.host, e.rank, e.generation, e.step, e.seq, interval, at, at_wall
-            )
-            fresh = True
-        elif e.seq <= w.last_seq:  # no news; a verdict deferred while the node was silent is due again
+        self, n: _Node, row: DigestRow, w: _Worker | None, at: float, at_wall: float, digest_s: float
+    ) -> bool:
+        """A digest entry off the hot path: a goodbye, no news, or a new incarnation.
+        True when it carried a new heartbeat."""
+        worker, pid, seq, rank, generation, step, step_ms, phase, phase_ms, _, interval_ms = row
+        if phase is Phase.DONE:
+            self._goodbye(n.job, worker, pid)
+            return False
+        if w is not None and w.pid == pid:  # no news (news took the hot path)
+            # a verdict deferred while the node was silent is due again
             if w.silence_at is not None and self._silence_deadline(w) < w.silence_at:
                 w.silence_at = None
-                self._schedule(w)
-            return
-        else:
-            if w.last_arrival >= self._hold_until:  # one sample per heartbeat the entry moved on by
-                w.intervals.add(max(0.0, at - w.last_arrival) / (e.seq - w.last_seq))
-            w.last_arrival, w.last_wall, w.last_seq = max(w.last_arrival, at), at_wall, e.seq
-            w.declared_s = interval
-            fresh = False
-        self.stats.heartbeats += 1
-        self.stats.digest_entries += 1
+                self._schedule_worker(w)
+            return False
+        if incident_id(n.job, worker, pid) in self._closed:
+            return False
+        interval = interval_ms / 1e3 or digest_s
+        w = self._new_worker(n.job, worker, pid, n.host, rank, generation, step, seq, interval, at, at_wall)
         w.node, w.digest_s = n.key, digest_s
-        w.rank, w.generation, w.host = e.rank, e.generation, n.host
-        self._learn_progress(w, e.phase, e.phase_ms, e.step, e.step_ms, at, at_wall, fresh)
-        self._schedule(w)
+        self._learn_progress(w, phase, phase_ms, step, step_ms, at, at_wall, True)
+        self._schedule_worker(w)
+        return True
 
     def _new_worker(
         self,
@@ -842,43 +921,85 @@ class Detector:
             w.progress_at, w.progress_wall = at, at_wall
         w.step, w.step_ms = step, step_ms
 
-    def _estimate(self, w: _Beat) -> tuple[float, float]:
-        """(mean, floored sigma) of the inter-arrival time."""
-        c = self.config
-        iv = w.intervals
-        n = len(iv)
-        if n < c.min_samples:  # not enough evidence yet: trust the declared interval, widely
-            mean = max(w.declared_s, iv.mean)
-            return mean, max(mean / 4.0, c.min_std_ratio * mean, c.min_std_s)
-        mean, std = iv.mean_std()
-        floor = c.min_std_ratio * mean
-        floor = floor if floor > c.min_std_s else c.min_std_s
-        return mean, std if std > floor else floor
-
     def _schedule(self, w: _Worker | _Node) -> None:
-        # hot path (every heartbeat and digest entry): plain comparisons, no helpers
-        mean, std = self._estimate(w)
+        if isinstance(w, _Worker):
+            self._schedule_worker(w)
+            return
+        c = self.config
+        mean, std = w.intervals.estimate(w.declared_s, c.min_samples, c.min_std_ratio, c.min_std_s)
         w.mean_s, w.std_s = mean, std
-        w.threshold_s = threshold = mean * self._pause + self._z * std
-        if isinstance(w, _Worker) and w.node is not None:
-            # seen only with the next digest: up to one digest interval late, more
-            # when the worker heartbeats faster than its node digests
-            gap = w.digest_s - mean
-            w.slack_s = self.config.digest_slack_ratio * w.digest_s + (gap if gap > 0.0 else 0.0)
-        last = w.last_arrival
-        at = (last if last > self._hold_until else self._hold_until) + threshold + w.slack_s
+        w.threshold_s = mean * self._pause + self._z * std
+        at = max(w.last_arrival, self._hold_until) + w.threshold_s + w.slack_s
         if w.silence_at is None or at < w.silence_at:
             w.silence_at = at
-            self._push(at, _Kind.NODE if isinstance(w, _Node) else _Kind.SILENCE, w)
-        if isinstance(w, _Worker) and w.phase is Phase.COMPUTE:
-            since, _ = w.stall_since
-            at = since + self.stall_bound(w)
+            self._push(at, _Kind.NODE, w)
+
+    def _schedule_worker(self, w: _Worker) -> None:
+        """Push ``w``'s deadlines when they moved earlier (a later one is re-pushed
+        lazily by :meth:`_top_expired`).
+
+        Hot path (every heartbeat and digest entry). Its silence deadline usually
+        moves later, by an interval, and is not needed until the heap entry expires:
+        when even the earliest it can be (sigma at its floor) is not earlier than the
+        heap entry, the estimate is left stale and made by :meth:`_fresh` on demand.
+        """
+        iv, silence_at = w.intervals, w.silence_at
+        n = len(iv._samples)  # (IntervalWindow's state read directly: no calls on this path)
+        if silence_at is not None and n >= self._min_samples and w.node is not None:
+            mean = iv._sum / n
+            floor = self._min_std_ratio * mean
+            floor = floor if floor > self._min_std else self._min_std
+            gap = w.digest_s - mean  # the slack, as in _slack
+            slack = self._digest_slack * w.digest_s + (gap if gap > 0.0 else 0.0)
+            last, hold = w.last_arrival, self._hold_until
+            # the sum of _silence_deadline, with std at its floor: a lower bound
+            if (last if last > hold else hold) + (mean * self._pause + self._z * floor) + slack >= silence_at:
+                w.stale = True
+            else:
+                self._estimate(w)
+        else:
+            self._estimate(w)
+        if not w.stale:
+            at = self._silence_deadline(w)
+            if silence_at is None or at < silence_at:
+                w.silence_at = at
+                self._push(at, _Kind.SILENCE, w)
+        if w.phase is Phase.COMPUTE:  # (stall_bound, inline)
+            since = w.progress_at if w.progress_at > w.phase_start else w.phase_start
+            if w.steps:
+                bound = self._stall_factor * w.max_step_ms / 1e3
+                at = since + (bound if bound > self._stall_floor else self._stall_floor)
+            else:
+                at = since + self._stall_initial
             if w.stall_at is None or at < w.stall_at:
                 w.stall_at = at
                 self._push(at, _Kind.STALL, w)
 
+    def _slack(self, w: _Worker, mean: float) -> float:
+        if w.node is None:
+            return w.slack_s
+        # seen only with the next digest: up to one digest interval late, more
+        # when the worker heartbeats faster than its node digests
+        gap = w.digest_s - mean
+        return self._digest_slack * w.digest_s + (gap if gap > 0.0 else 0.0)
+
+    def _estimate(self, w: _Worker) -> None:
+        """Set ``w``'s mean, floored sigma, threshold and slack from its samples."""
+        mean, std = w.intervals.estimate(w.declared_s, self._min_samples, self._min_std_ratio, self._min_std)
+        w.mean_s, w.std_s, w.slack_s = mean, std, self._slack(w, mean)
+        w.threshold_s = mean * self._pause + self._z * std
+        w.stale = False
+
+    def _fresh(self, w: _Beat) -> None:
+        """Make a lazily scheduled worker's estimate current before reading it."""
+        if w.stale:
+            assert isinstance(w, _Worker)
+            self._estimate(w)
+
     def _silence_deadline(self, w: _Beat) -> float:
-        return max(w.last_arrival, self._hold_until) + w.threshold_s + w.slack_s
+        self._fresh(w)
+        last, hold = w.last_arrival, self._hold_until
+        return (last if last > hold else hold) + w.threshold_s + w.slack_s
 
     def _push(self, at: float, kind: _Kind, w: _Worker | _Node) -> None:
         heapq.heappush(self._heap, (at, next(self._counter), kind, w.key, w.token))
@@ -939,11 +1060,13 @@ class Detector:
         return None
 
     def _phi_now(self, w: _Beat, now: float) -> float:
+        self._fresh(w)
         elapsed = now - max(w.last_arrival, self._hold_until)
         return round(phi(elapsed, w.mean_s * (1.0 + self.config.pause_ratio), w.std_s), 2)
 
     def _silence_verdict(self, w: _Worker, now: float) -> Incident:
         rank, generation = self._rank_of(w.job, w.worker, w)
+        self._fresh(w)
         evidence: Evidence = {
             "phi": self._phi_now(w, now),
             "threshold": self.config.phi_threshold,

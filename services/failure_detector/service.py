@@ -83,10 +83,11 @@ from phalanx.services.failure_detector.detector import (
     NodeIncident,
     Verdict,
 )
+from phalanx.services.failure_detector.wire import read_digest
 
 from phalanx.bus import COMMANDS, EVENTS, Bus
 from phalanx.bus.subjects import EXITED, FAILED, HEARTBEAT, HUNG, NODE_DIGEST, NODE_LOST, PLAN, Subject
-from phalanx.schemas import DecodeError, FaultCause, Heartbeat, Message, NodeDigest, Plan, RankExited
+from phalanx.schemas import DecodeError, FaultCause, Heartbeat, Message, NodeDigest, Plan, RankExited, decode
 from phalanx.service import Service
 from phalanx.telemetry import extract_context
 
@@ -215,8 +216,9 @@ class FailureDetector(Service):
         self._hb_sub = await self.bus.subscribe(
             HEARTBEAT.wildcard(**tokens), self._on_heartbeat, Heartbeat, trace_messages=False
         )
-        self._digest_sub = await self.bus.subscribe(
-            NODE_DIGEST.wildcard(**tokens), self._on_digest, NodeDigest, trace_messages=False
+        # Not Bus.subscribe: digests take the fast path of _on_digest_raw.
+        self._digest_sub = await self.bus.nc.subscribe(
+            NODE_DIGEST.wildcard(**tokens), cb=self._on_digest_raw, pending_msgs_limit=1_000_000
         )
         self.bus.consume(
             EVENTS,
@@ -289,6 +291,34 @@ class FailureDetector(Service):
             await self._refuse(raw, hb, f"heartbeat of {hb.job}/{hb.worker} on {raw.subject}")
             return
         self.detector.observe(hb)
+
+    async def _on_digest_raw(self, raw: Msg) -> None:
+        """A digest off the wire (what Bus.subscribe would do, faster).
+
+        Digests are most of the detector's input (one per node per interval, 4,000/s
+        at 2,000 nodes and 500 ms); a pydantic model per entry cost as much CPU as
+        the detection. :func:`.wire.read_digest` checks a well-formed digest by hand
+        into tuples; anything it does not take goes through the full :func:`decode`,
+        so a bad digest is refused with the same error event as on any subscription.
+        """
+        try:
+            fields = read_digest(raw.data, raw.headers)
+            if fields is None:
+                try:
+                    d = decode(raw.data, raw.headers, NodeDigest)
+                except DecodeError as err:
+                    await self.bus.report_bad_input(raw.subject, err)
+                    return
+                await self._on_digest(d, raw)
+                return
+            job, node = fields[0], fields[1]
+            if raw.subject.split(".")[2:] != [job, node]:
+                reason = f"digest of {job}/{node} on {raw.subject}"
+                await self.bus.report_bad_input(raw.subject, DecodeError(reason, NodeDigest.KIND))
+                return
+            self.detector.observe_digest_rows(*fields)
+        except Exception as exc:
+            self.log.exception("handler_failed", subject=raw.subject, error=repr(exc))
 
     async def _on_digest(self, d: NodeDigest, raw: Msg) -> None:
         parts = raw.subject.split(".")

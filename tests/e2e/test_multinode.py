@@ -195,7 +195,8 @@ def test_launcher_killed_alone_takes_its_ranks_and_a_new_one_joins_as_spares(
         again.append(subprocess.Popen(cluster.argv(victim[0], argv), env=env))
 
     try:
-        result, weights = run_nodes(actions=[(4, kill_launcher), (9, start_again)])
+        # started again at once: refused until the old launcher is declared lost, then spare capacity
+        result, weights = run_nodes(actions=[(4, kill_launcher), (4, start_again)])
         node = victim[0]
         assert [n.node for n in result.node_losses] == [node]
         assert all(rc == 0 for n, rc in result.node_returncodes.items() if n != node), result.node_returncodes

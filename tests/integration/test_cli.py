@@ -1,7 +1,10 @@
-"""The ``phalanx`` command's own processes: ``phalanx nats`` serves and cleans up."""
+"""The ``phalanx`` command's own processes: ``phalanx nats`` serves and cleans up;
+``phalanx run`` fails clearly, changing nothing, when it cannot join its job."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import signal
 import socket
 import subprocess
@@ -9,8 +12,13 @@ import sys
 from pathlib import Path
 
 import nats
+from phalanx.services.elasticity_planner.service import ElasticityPlanner
 
+from phalanx.bus import JOBS_BUCKET, Bus
+from phalanx.bus.subjects import JOB_SPEC
 from phalanx.natsserver import free_port
+from phalanx.schemas import JobSpec
+from phalanx.service import run_service
 
 
 def _port_open(port: int) -> bool:
@@ -47,3 +55,55 @@ async def test_phalanx_nats_serves_until_sigterm_and_stops_its_server(tmp_path: 
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _phalanx_run(url: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``phalanx run`` as an operator types it; the training command never starts here."""
+    argv = [sys.executable, "-m", "phalanx.cli", "run", *args, "--", sys.executable, "-c", "pass"]
+    endpoint = url.split("://", 1)[1]
+    return subprocess.run(
+        [*argv[:4], "--rdzv-endpoint", endpoint, *argv[4:]], capture_output=True, text=True, timeout=timeout
+    )
+
+
+async def test_phalanx_run_without_a_planner_fails_with_what_to_start(nats_url: str) -> None:
+    done = _phalanx_run(nats_url, "--nproc", "1", "--job", "lonely", "--join-timeout", "2")
+    assert done.returncode == 2
+    assert "no elasticity-planner answered" in done.stderr and "phalanx service" in done.stderr
+
+
+async def test_a_node_that_disagrees_with_the_job_is_refused_and_changes_nothing(
+    nats_url: str, bus: Bus
+) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_service(ElasticityPlanner, url=nats_url, stop=stop))
+    try:
+        # node a is in the job (waiting for a second node): global batch 32
+        spec = JobSpec(job="mn", node="a", launcher="La", workers=["a-w0"], ranks=1, global_batch=32, min_nodes=2, max_nodes=2)  # fmt: skip
+        await bus.publish(JOB_SPEC, spec, job="mn", msg_id="spec-a")
+        kv = await bus.js.key_value(JOBS_BUCKET)
+        for _ in range(200):
+            with contextlib.suppress(Exception):
+                if (await kv.get("mn.planner")).value:
+                    break
+            await asyncio.sleep(0.05)
+        before = (await kv.get("mn.planner")).value
+        args = [
+            "--nnodes",
+            "2",
+            "--node-id",
+            "b",
+            "--nproc-per-node",
+            "1",
+            "--job",
+            "mn",
+            "--global-batch",
+            "16",
+        ]
+        done = await asyncio.to_thread(_phalanx_run, nats_url, *args)
+        assert done.returncode == 2, done.stderr
+        assert "refused node 'b'" in done.stderr and "global_batch=16 (the job has 32)" in done.stderr
+        assert (await kv.get("mn.planner")).value == before  # the planner's record did not move
+    finally:
+        stop.set()
+        await task

@@ -28,6 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from phalanx.runtime.addr import listen_socket, split_addr
+
 DEFAULT_TIMEOUT_S = 60.0
 
 
@@ -39,36 +41,28 @@ class Superseded(Exception):
     """A newer plan arrived while waiting for this generation's members."""
 
 
-def split_addr(addr: str) -> tuple[str, int]:
-    """``"10.0.0.1:29400"`` -> ``("10.0.0.1", 29400)``; a clear ValueError otherwise."""
-    host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"address must be host:port, got {addr!r}")
-    return host.strip("[]"), int(port)
-
-
 def connect_store(addr: str, timeout_s: float = 30.0) -> dist.TCPStore:
     """A client of a store at ``host:port``."""
     host, port = split_addr(addr)
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
 
 
-def host_store(host: str = "127.0.0.1", port: int = 0) -> dist.TCPStore:
+def host_store(host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None) -> dist.TCPStore:
     """Host a store (a launcher does this) listening on ``host`` only (``store.port``).
 
     ``TCPStore(is_master=True)`` alone listens on every interface whatever ``host``
-    says; handing it a socket already bound to ``host`` keeps it on the interface
-    the node is reached by. ``port=0`` picks a free one.
+    says; handing it a socket already bound to ``host`` (``sock``, or one made
+    here) keeps it on the interface the node is reached by.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = sock or listen_socket(host, port)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(1024)
-        port = int(sock.getsockname()[1])
         store = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, use_libuv=True, master_listen_fd=sock.fileno()
+            host,
+            int(sock.getsockname()[1]),
+            is_master=True,
+            wait_for_workers=False,
+            use_libuv=True,
+            master_listen_fd=sock.fileno(),
         )
     except BaseException:
         sock.close()

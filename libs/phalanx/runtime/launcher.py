@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import ctypes
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -44,7 +45,6 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from nats.aio.msg import Msg
 
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 from phalanx.bus import JOBS_BUCKET, Bus, nats_url
 from phalanx.bus.subjects import DECISION, EXITED, JOB_SPEC, JOINED, PLAN
+from phalanx.runtime.addr import listen_socket, local_address_towards
 from phalanx.runtime.digest import NodeDigestPublisher
 from phalanx.runtime.heartbeat import heartbeat_interval_s
 from phalanx.schemas import (
@@ -103,7 +104,8 @@ class LaunchConfig:
     min_nodes: int = 1
     max_nodes: int = 1
     bind: str | None = None  # the address store and gloo listen on; None: towards NATS
-    join_timeout_s: float = 10.0
+    join_timeout_s: float = 10.0  # for the planner's answer
+    join_retry_s: float = 30.0  # for a refusal that may lift (the node's old launcher not yet lost)
 
 
 def worker_names(node: str, count: int, qualified: bool) -> list[str]:
@@ -118,21 +120,6 @@ def worker_names(node: str, count: int, qualified: bool) -> list[str]:
 def command_fingerprint(cmd: list[str]) -> str:
     """What launchers compare to be sure every node runs the same training command."""
     return "sha256:" + hashlib.sha256(json.dumps(cmd).encode()).hexdigest()[:16]
-
-
-def local_address_towards(url: str) -> str:
-    """The address of this host's interface that reaches the first server of ``url``:
-    the one the node is reached by. Loopback for a local server. A UDP ``connect``
-    only picks the route; it sends nothing."""
-    first = url.split(",")[0].strip()
-    parts = urlsplit(first if "://" in first else f"nats://{first}")
-    host = parts.hostname or "127.0.0.1"
-    port = parts.port or 4222
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-    family, _, _, _, sockaddr = infos[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(sockaddr)
-        return str(s.getsockname()[0])
 
 
 def _die_with_parent() -> None:
@@ -162,6 +149,8 @@ class Launcher:
         self.bind = ""
         self.run = ""  # the job-level run id, from the planner's answer
         self.removed_reason: str | None = None
+        self._listener: socket.socket | None = None
+        self._port = 0
         self._joined: asyncio.Future[NodeJoined] | None = None
         self._done = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -173,13 +162,13 @@ class Launcher:
     # -- start -------------------------------------------------------------------
     async def start(self) -> None:
         """Join the job and start this node's workers; raises :class:`LaunchError`."""
-        from phalanx.runtime.comm import host_store  # imports torch: only here
-
         cfg = self.config
         self._loop = asyncio.get_running_loop()
         url = cfg.nats_url or nats_url()
         self.bind = cfg.bind or local_address_towards(url)
-        self.store = host_store(self.bind)
+        # The store's address goes into the join; the store itself (torch) comes after.
+        self._listener = listen_socket(self.bind)
+        self._port = int(self._listener.getsockname()[1])
         try:
             self.bus = bus = await asyncio.wait_for(
                 Bus.connect(url, name=f"launcher-{self.job}-{self.node}"), cfg.join_timeout_s
@@ -193,6 +182,9 @@ class Launcher:
         await bus.nc.subscribe(JOINED.format(job=self.job), cb=self._on_joined)
         bus.reconnect_hooks.append(self._load_committed)
         joined = await self._join()
+        from phalanx.runtime.comm import host_store  # imports torch: only here
+
+        self.store = host_store(self.bind, sock=self._listener)
         self.run = joined.run
         roles = [
             Role.SPARE if joined.as_spares or i >= cfg.nproc else Role.RANK
@@ -214,7 +206,7 @@ class Launcher:
 
     async def _join(self) -> NodeJoined:
         cfg = self.config
-        assert self.bus is not None and self.store is not None and self._loop is not None
+        assert self.bus is not None and self._loop is not None
         spec = JobSpec(
             job=self.job,
             node=self.node,
@@ -229,19 +221,28 @@ class Launcher:
             global_batch=cfg.global_batch,
             command=command_fingerprint(cfg.cmd),
         )
-        self._joined = self._loop.create_future()
-        await self.bus.publish(JOB_SPEC, spec, job=self.job, msg_id=f"{self.job}:spec:{self.id}")
-        try:
-            joined = await asyncio.wait_for(self._joined, cfg.join_timeout_s)
-        except TimeoutError:
-            raise LaunchError(
-                f"no elasticity-planner answered the join of job {self.job!r} within "
-                f"{cfg.join_timeout_s:g}s: start the services (`phalanx service elasticity-planner`, "
-                f"or `make demo` / LocalStack for everything on one machine)"
-            ) from None
-        if not joined.accepted:
-            raise LaunchError(f"job {self.job!r} refused node {self.node!r}: {joined.reason}")
-        return joined
+        # A node whose old launcher died is refused until the detector declares it
+        # lost (a fraction of a second): such refusals are asked again, for a while.
+        retry_until = time.monotonic() + cfg.join_retry_s
+        for attempt in itertools.count():
+            self._joined = self._loop.create_future()
+            msg_id = f"{self.job}:spec:{self.id}:{attempt}"
+            await self.bus.publish(JOB_SPEC, spec, job=self.job, msg_id=msg_id)
+            try:
+                joined = await asyncio.wait_for(self._joined, cfg.join_timeout_s)
+            except TimeoutError:
+                raise LaunchError(
+                    f"no elasticity-planner answered the join of job {self.job!r} within "
+                    f"{cfg.join_timeout_s:g}s: start the services (`phalanx service elasticity-planner`, "
+                    f"or `make demo` / LocalStack for everything on one machine)"
+                ) from None
+            if joined.accepted:
+                return joined
+            if not joined.retry or time.monotonic() > retry_until:
+                raise LaunchError(f"job {self.job!r} refused node {self.node!r}: {joined.reason}")
+            self.log.info("join_refused_for_now", reason=joined.reason, attempt=attempt)
+            await asyncio.sleep(0.5)
+        raise AssertionError("unreachable")
 
     async def _on_joined(self, raw: Msg) -> None:
         try:
@@ -254,9 +255,8 @@ class Launcher:
 
     @property
     def store_addr(self) -> str:
-        assert self.store is not None
         host = f"[{self.bind}]" if ":" in self.bind else self.bind
-        return f"{host}:{self.store.port}"
+        return f"{host}:{self._port}"
 
     def spawn(self, name: str, role: Role) -> Worker:
         cfg = self.config
@@ -447,6 +447,8 @@ class Launcher:
             await self.digests.stop()
         if self.bus is not None:
             await self.bus.close()
+        if self.store is None and self._listener is not None:
+            self._listener.close()  # it never became a store
         with contextlib.suppress(OSError):
             for p in self._tmp.iterdir():
                 p.unlink()

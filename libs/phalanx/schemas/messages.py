@@ -231,6 +231,9 @@ class NodeJoined(JobMessage):
         default_factory=list, description="The names to start the workers under (unique in the run)."
     )
     reason: str = Field(default="", max_length=2000)
+    retry: bool = Field(
+        default=False, description="Refused for now (the node's old launcher is not yet declared lost)."
+    )
 
 
 class Member(Message):
