@@ -114,8 +114,8 @@ from phalanx.schemas import (
 __all__ = [
     "Clock",
     "Detector",
-    "DigestRow",
     "DetectorConfig",
+    "DigestRow",
     "FakeClock",
     "Incident",
     "IntervalWindow",
@@ -659,12 +659,13 @@ class Detector:
         service's hot path: no model per entry)."""
         now, wall = self.clock(), self.wall()
         key = (job, node)
-        if node_incident_id(job, node, launcher) in self._closed:
-            self.stats.ignored_digests += 1
-            return False
         n = self._nodes.get(key)
         interval = interval_ms / 1e3
         if n is None or n.launcher != launcher:
+            # (a tracked launcher is never closed: a verdict or a new launcher untracks it)
+            if node_incident_id(job, node, launcher) in self._closed:
+                self.stats.ignored_digests += 1
+                return False
             if n is not None:  # a new launcher on the node: the old one is gone for good
                 self._close(node_incident_id(n.job, n.node, n.launcher), "replaced")
             n = _Node(
@@ -692,7 +693,7 @@ class Detector:
         n.host = host
         done = Phase.DONE
         workers = [(r[0], r[1]) for r in rows if r[7] is not done]
-        if workers != n.workers:  # (the same workers as last time: nobody left)
+        if workers != n.workers:  # (usually the same workers as last time: nobody left)
             listed = {(r[0], r[1]) for r in rows}
             for worker, pid in n.workers:
                 w = self._tracked.get((job, worker))
@@ -705,7 +706,7 @@ class Detector:
         # The hot path (16,000 entries per interval at 2,000 nodes): a known worker
         # whose entry moved on. Anything else takes _observe_entry.
         heard = 0
-        tracked, done, hold, host = self._tracked, Phase.DONE, self._hold_until, n.host
+        tracked, hold = self._tracked, self._hold_until
         for row in rows:
             worker, pid, seq, rank, generation, step, step_ms, phase, phase_ms, age_ms, interval_ms = row
             w = tracked.get((job, worker))
@@ -720,8 +721,24 @@ class Detector:
             w.last_arrival, w.last_wall, w.last_seq = (at if at > last else last), at_wall, seq
             w.declared_s = interval_ms / 1e3 or interval  # its own interval when the launcher knows it
             w.node, w.digest_s = key, interval
-            w.rank, w.generation, w.host = rank, generation, host
-            self._learn_progress(w, phase, phase_ms, step, step_ms, at, at_wall, False)
+            w.rank, w.generation, w.host = rank, generation, n.host
+            # what _learn_progress(..., fresh=False) does, inline (keep the two in step)
+            if phase is not w.phase or phase_ms < w.phase_ms:
+                w.phase = phase
+                w.phase_start = at - phase_ms / 1e3
+                w.phase_start_wall = at_wall - phase_ms / 1e3
+            w.phase_ms = phase_ms
+            if step > w.step:
+                if step_ms > 0:
+                    steps = w.steps
+                    evicted = steps[0] if len(steps) == steps.maxlen else 0.0
+                    steps.append(step_ms)
+                    if step_ms >= w.max_step_ms:
+                        w.max_step_ms = step_ms
+                    elif evicted >= w.max_step_ms:
+                        w.max_step_ms = max(steps)
+                w.progress_at, w.progress_wall = at, at_wall
+            w.step, w.step_ms = step, step_ms
             self._schedule_worker(w)
             heard += 1
         self.stats.heartbeats += heard

@@ -30,10 +30,10 @@ import re
 from typing import Any
 
 import msgpack
+from phalanx.services.failure_detector.detector import DigestRow
 
 from phalanx.schemas import DigestEntry, NodeDigest, Phase
 from phalanx.schemas.codec import ENCODING, HDR_ENCODING, HDR_KIND, HDR_SCHEMA
-from phalanx.services.failure_detector.detector import DigestRow
 
 __all__ = ["DigestFields", "read_digest"]
 

@@ -4,7 +4,10 @@ real loopback TCPStore and gloo."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -191,3 +194,54 @@ def test_destroy_cascades_to_peers_blocked_in_allreduce(store: dist.TCPStore, pr
     assert res[0] == "left"
     for r in range(1, n):
         assert isinstance(res[r], str) and res[r].startswith("CommError: allreduce on"), (r, res[r])
+
+
+# -- listening only on the node's interface ------------------------------------------------------
+def _reachable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2.0)
+        return s.connect_ex((host, port)) == 0
+
+
+def _listening_ports() -> dict[int, str]:
+    """This process's listening TCP sockets: port -> local address (from /proc, no tools)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    out = {}
+    for line in open("/proc/self/net/tcp").read().splitlines()[1:]:
+        parts = line.split()
+        local, state, inode = parts[1], parts[3], parts[9]
+        if state == "0A" and inode in inodes:  # 0A: LISTEN
+            hexip, hexport = local.split(":")
+            out[int(hexport, 16)] = socket.inet_ntoa(bytes.fromhex(hexip)[::-1])
+    return out
+
+
+def test_host_store_listens_on_its_address_only() -> None:
+    s = host_store("127.0.0.1")
+    assert _reachable("127.0.0.1", s.port)
+    # 127.0.0.2 is this host too: a store bound to every interface would answer there
+    assert not _reachable("127.0.0.2", s.port)
+    assert _listening_ports()[s.port] == "127.0.0.1"
+
+
+def test_gloo_binds_the_address_it_is_given(prefix: str) -> None:
+    s = host_store("127.0.0.1")
+    before = set(_listening_ports())
+
+    def build(rank: int) -> Communicator:
+        client = connect_store(f"127.0.0.1:{s.port}")
+        arrival_barrier(client, prefix, rank, 2, lambda: False, timeout_s=JOIN_S)
+        return Communicator(client, prefix, rank, 2, timeout_s=30.0, bind="127.0.0.1")
+
+    comms = run_ranks(2, build)
+    try:
+        opened = {p: a for p, a in _listening_ports().items() if p not in before}
+        assert opened and set(opened.values()) == {"127.0.0.1"}, opened
+    finally:
+        for c in comms:
+            c.destroy()

@@ -565,7 +565,10 @@ class SimNode:
                 self.in_flight.append((now + self.rng.uniform(0, self.jitter), self._digest(now)))
             self.next_digest += self.interval
         while self.in_flight and self.in_flight[0][0] <= now + 1e-9:
-            self.det.observe_digest(self.in_flight.pop(0)[1])
+            self.observe(self.in_flight.pop(0)[1])
+
+    def observe(self, d: NodeDigest) -> None:
+        self.det.observe_digest(d)
 
 
 def drive(clock: FakeClock, det: Detector, nodes: list[SimNode], seconds: float, dt: float = 0.005) -> list:
@@ -705,3 +708,123 @@ def test_a_worker_the_launcher_forgot_is_not_declared_silent_but_its_exit_still_
     exited = RankExited(job="j1", worker=node.worker(1), pid=node.pid(1), host="h0", signal=9, exited_at=1.0)
     incident = det.on_exit(exited)
     assert incident is not None and incident.cause is FaultCause.PROCESS_EXIT
+
+
+# -- the service's fast digest reader --------------------------------------------------
+_ODD_VALUES: list[object] = [
+    None, True, False, 0, 1, -1, -2, 2**63, 2**64 - 1, -(2**63), 0.0, -0.0, 1.5, -1.5,
+    math.nan, math.inf, -math.inf, "", "x", "a" * 65, "bad name", "a\n", "é", b"n0", [], {}, [1], {"a": 1},
+]  # fmt: skip
+
+
+def _valid_digest() -> dict[str, object]:
+    entry = DigestEntry(
+        worker="n0-w0", pid=7, seq=3, rank=0, generation=1, step=3, step_ms=50.0,
+        phase=Phase.COMPUTE, phase_ms=1.0, age_ms=2.0, interval_ms=100.0,
+    )  # fmt: skip
+    d = NodeDigest(
+        job="j1", node="n0", launcher="L0", host="h0", seq=5, interval_ms=100.0, entries=[entry, entry]
+    )
+    return d.model_dump(mode="json")
+
+
+def _mutants(rng: random.Random) -> list[dict[str, object]]:
+    """Digests with one field (of the digest or of an entry) broken: every odd value,
+    a missing field, an unknown one."""
+    out = []
+    base = _valid_digest()
+    entry = base["entries"][0]  # type: ignore[index]
+    for name in [*base, "extra"]:
+        for value in [*_ODD_VALUES, "missing"]:
+            d = dict(base)
+            if value == "missing":
+                d.pop(name, None)
+            else:
+                d[name] = value
+            out.append(d)
+    for name in [*entry, "extra"]:  # type: ignore[union-attr]
+        for value in [*_ODD_VALUES, "missing", "done", "Compute", "collective"]:
+            e = dict(entry)  # type: ignore[call-overload]
+            if value == "missing":
+                e.pop(name, None)
+            else:
+                e[name] = value
+            d = dict(base)
+            d["entries"] = [entry, e] if rng.random() < 0.5 else [e]
+            out.append(d)
+    out += [dict(base, entries=[1]), dict(base, entries=[[]]), dict(base, entries=[None])]
+    return out
+
+
+def _as_read(d: NodeDigest) -> tuple[object, ...]:
+    from phalanx.services.failure_detector.detector import digest_row
+
+    return (d.job, d.node, d.launcher, d.host, d.seq, d.interval_ms, [digest_row(e) for e in d.entries])
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal, with the same types all the way down (1 == 1.0 is not enough), NaN equal to itself."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, tuple | list):
+        assert isinstance(b, tuple | list)
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
+        return math.isnan(b)
+    return a == b
+
+
+def test_read_digest_takes_only_what_decode_takes_and_reads_it_the_same() -> None:
+    """The fast path (wire.read_digest) may pass a digest to decode() but never take
+    one decode() refuses, nor read one differently."""
+    import msgpack
+    from phalanx.services.failure_detector.wire import read_digest
+
+    from phalanx.schemas import DecodeError, headers_for
+
+    headers = headers_for(NodeDigest)
+    payloads = [(msgpack.packb(d, use_bin_type=True), headers) for d in _mutants(random.Random(7))]
+    valid = msgpack.packb(_valid_digest(), use_bin_type=True)
+    payloads += [
+        (valid, {**headers, "Phalanx-Schema": "99"}),
+        (valid, {**headers, "Phalanx-Kind": "heartbeat"}),
+        (valid, {**headers, "Phalanx-Encoding": "json"}),
+        (valid, {}),
+        (valid, None),
+        (valid[:-3], headers),
+        (b"\xc1", headers),
+        (msgpack.packb([1, 2]), headers),
+    ]
+    taken = refused = 0
+    for data, hdrs in payloads:
+        fast = read_digest(data, hdrs)
+        try:
+            model: NodeDigest | None = decode(data, hdrs, NodeDigest)
+        except DecodeError:
+            model = None
+        refused += model is None
+        if fast is not None:
+            taken += 1
+            assert model is not None, f"read_digest took what decode refuses: {msgpack.unpackb(data)!r}"
+            assert _same(fast, _as_read(model))
+    assert read_digest(valid, headers) is not None
+    assert taken > 50 and refused > 300
+
+
+def test_digest_rows_from_the_wire_make_the_same_verdicts_as_models() -> None:
+    from phalanx.services.failure_detector.wire import read_digest
+
+    runs = []
+    for fast in (False, True):
+        det, clock = make()
+        rng = random.Random(11)
+        nodes = [SimNode(det, clock, k, rng, jitter=0.5 * I) for k in range(3)]
+        if fast:
+            for n in nodes:
+                n.observe = lambda d, det=det: det.observe_digest_rows(*read_digest(*encode(d)))  # type: ignore[misc]
+        out = drive(clock, det, nodes, 2.0)
+        nodes[0].frozen.add(3)  # a hung rank in a live node
+        nodes[1].silent = True  # a lost node
+        out += drive(clock, det, nodes, 3.0)
+        runs.append([(at, v.id, v.fault_at, sorted(v.evidence.items())) for at, v in out])
+    assert len(runs[0]) == 2 and runs[0] == runs[1]

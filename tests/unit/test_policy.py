@@ -172,3 +172,45 @@ def test_finished_job_holds(phase: JobPhase, worker: str) -> None:
 def test_fault_while_recovering_is_still_planned() -> None:
     state = make_state(["w0", "w1"], ["s0"], phase=JobPhase.RECOVERING)
     assert decide(state, fault("w1")).action is Action.REPLACE
+
+
+def two_node_state(spares_a: list[str], spares_b: list[str], min_world_size: int = 0) -> JobState:
+    """Ranks a-w0, a-w1, b-w0, b-w1 (world 4) on nodes a and b, with their spares."""
+    state = make_state(["a-w0", "a-w1", "b-w0", "b-w1"], spares_a + spares_b, min_world_size=min_world_size)
+    state.nodes = {
+        "a": NodeState("La", "ha", "10.0.0.1:1", ["a-w0", "a-w1", *spares_a], 2),
+        "b": NodeState("Lb", "hb", "10.0.0.2:1", ["b-w0", "b-w1", *spares_b], 2),
+    }
+    return state
+
+
+def test_a_single_lost_rank_takes_a_spare_on_its_own_node_first() -> None:
+    state = two_node_state(["a-s0"], ["b-s0"])
+    d = decide(state, fault("b-w1"))
+    assert d.action is Action.REPLACE and d.spares_used == ["b-s0"]
+    assert members_of(d)[3] == (3, "b-s0")
+
+
+def test_a_lost_node_is_replaced_in_one_decision_by_spares_elsewhere() -> None:
+    state = two_node_state(["a-s0", "a-s1"], ["b-s0"])
+    d = ReplaceOrShrink().on_node_lost(state, "b", "lost (heartbeat_lost)")
+    assert d.action is Action.REPLACE
+    assert sorted(d.removed) == ["b-s0", "b-w0", "b-w1"]  # its spare goes with it
+    assert members_of(d) == [(0, "a-w0"), (1, "a-w1"), (2, "a-s0"), (3, "a-s1")]
+    next_plan(d)
+
+
+def test_a_lost_node_with_too_few_spares_elsewhere_shrinks_or_stops() -> None:
+    shrink = ReplaceOrShrink().on_node_lost(two_node_state(["a-s0"], ["b-s0"], 2), "b", "lost")
+    assert shrink.action is Action.SHRINK and "only 1 spare(s) for 2 lost ranks" in shrink.reason
+    assert members_of(shrink) == [(0, "a-w0"), (1, "a-w1"), (2, "a-s0")]
+    stop = ReplaceOrShrink().on_node_lost(two_node_state([], ["b-s0"]), "b", "lost")
+    assert stop.action is Action.STOP and "min_world_size=4" in stop.reason
+
+
+def test_a_lost_node_without_members_only_drops_its_spares() -> None:
+    state = two_node_state([], [])
+    state.nodes["c"] = NodeState("Lc", "hc", "10.0.0.3:1", ["c-s0"], 0)
+    state.spares.append("c-s0")
+    d = ReplaceOrShrink().on_node_lost(state, "c", "lost")
+    assert d.action is Action.HOLD and d.members is None and d.removed == ["c-s0"]

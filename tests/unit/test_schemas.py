@@ -217,24 +217,28 @@ def test_plan_validators_run_on_decode() -> None:
 
 
 @pytest.mark.parametrize(
-    ("sizes", "workers", "message"),
+    ("fields", "message"),
     [
-        ((4, 5, 6), 4, "min_world_size <= world_size"),
-        ((4, 1, 3), 4, "min_world_size <= world_size"),
-        ((4, 2, 4), 3, "fewer workers than world_size"),
+        ({"min_nodes": 3, "max_nodes": 2}, "min_nodes <= max_nodes"),
+        ({"ranks": 5}, "more ranks than workers"),
+        ({"workers": ["a-w0", "a-w0"]}, "a worker appears twice"),
+        ({"workers": []}, "at least 1 item"),
+        ({"node": "a.b"}, "String should match pattern"),
+        ({"global_batch": 0}, "greater than or equal to 1"),
     ],
 )
-def test_job_spec_validators(sizes: tuple[int, int, int], workers: int, message: str) -> None:
-    world, lo, hi = sizes
+def test_job_spec_validators(fields: dict[str, object], message: str) -> None:
+    base: dict[str, object] = {
+        "job": "j1",
+        "node": "a",
+        "launcher": "a-1",
+        "workers": ["a-w0", "a-w1"],
+        "ranks": 2,
+        "global_batch": 8,
+    }
+    JobSpec.model_validate(base)  # valid as it is
     with pytest.raises(ValidationError, match=message):
-        JobSpec(
-            job="j1",
-            world_size=world,
-            min_world_size=lo,
-            max_world_size=hi,
-            global_batch=8,
-            workers=[f"w{i}" for i in range(workers)],
-        )
+        JobSpec.model_validate({**base, **fields})
 
 
 def test_messages_are_frozen() -> None:
