@@ -42,6 +42,7 @@ import math
 import os
 import random
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -57,7 +58,7 @@ from phalanx.bus import Bus
 from phalanx.bus.subjects import HEARTBEAT, NODE_DIGEST
 from phalanx.natsserver import NatsServer
 from phalanx.runtime.launcher import LaunchConfig, Launcher
-from phalanx.schemas import FaultCause, Heartbeat, NodeDigest, NodeLost, RankFailed, RankHung, Role, decode
+from phalanx.schemas import FaultCause, Heartbeat, NodeDigest, NodeLost, RankFailed, RankHung, Role, decode, encode
 from phalanx.schemas.codec import headers_for
 from phalanx.service import ping
 from phalanx.telemetry import setup_logging
@@ -162,6 +163,12 @@ class SimulatedNodes:
     Faults come by request on ``bench.sim.ctl.<proc>``: ``freeze`` a rank (its entry
     stops moving on, like a SIGSTOPped rank) or ``silence`` a node (no more digests);
     the reply is the wall time of the fault.
+
+    The simulators share the bench's cores with the detector, so a digest is built
+    from msgpack fragments packed once per rank (:meth:`payload`, a few us): the
+    bytes are exactly ``msgpack.packb`` of the dict a launcher encodes
+    (:meth:`digest`, the reference, checked against it by a doctest in
+    :func:`_check_payload`).
     """
 
     def __init__(self, bus: Bus, nodes: list[int], interval: float, seed: int) -> None:
@@ -176,8 +183,40 @@ class SimulatedNodes:
         self.lags: list[float] = []
         self.sent = 0
         self.headers = headers_for(NodeDigest)
+        self.subjects = {k: NODE_DIGEST.format(job=SIM_JOB, node=sim_node(k)) for k in nodes}
+        pk = msgpack.Packer(use_bin_type=True).pack
+        self._node_parts = {
+            k: (
+                b"\x88" + pk("job") + pk(SIM_JOB) + pk("ts"),
+                pk("node") + pk(sim_node(k)) + pk("launcher") + pk(sim_launcher(k))
+                + pk("host") + pk(f"sim-{k}") + pk("seq"),
+                pk("interval_ms") + pk(interval * 1e3) + pk("entries"),
+            )
+            for k in nodes
+        }  # fmt: skip
+        # per rank: (when it first heard, fragments before seq, before step, after step by
+        # the parity of the step (phase), after age_ms)
+        self._ranks = {
+            k: [
+                (
+                    self.t0 + self.phase[(k, j)],
+                    b"\x8b" + pk("worker") + pk(sim_worker(k, j)) + pk("pid") + pk(sim_pid(k, j)) + pk("seq"),
+                    pk("rank") + pk(k * PER_NODE + j) + pk("generation") + pk(1) + pk("step"),
+                    tuple(
+                        pk("step_ms") + pk(interval * 800) + pk("phase") + pk(phase)
+                        + pk("phase_ms") + pk(self.phase_ms[(k, j)]) + pk("age_ms")
+                        for phase in ("compute", "collective")
+                    ),
+                    pk("interval_ms") + pk(interval * 1e3),
+                )
+                for j in range(PER_NODE)
+            ]
+            for k in nodes
+        }  # fmt: skip
+        self._pack_int = pk
 
     def entry(self, k: int, j: int, now: float) -> dict[str, Any] | None:
+        """Rank ``j`` of node ``k``'s digest entry at ``now`` (the reference of :meth:`payload`)."""
         t = min(now, self.frozen.get((k, j), now)) - self.t0 - self.phase[(k, j)]
         if t < 0:
             return None  # no heartbeat yet
@@ -193,24 +232,51 @@ class SimulatedNodes:
             "step_ms": self.interval * 800,
             "phase": "compute" if m % 2 == 0 else "collective",
             "phase_ms": self.phase_ms[(k, j)],
-            "age_ms": (now - heard) * 1e3,
+            "age_ms": max(0.0, (now - heard) * 1e3),
             "interval_ms": self.interval * 1e3,
         }
 
-    def payload(self, k: int, now: float) -> bytes:
-        entries = [e for j in range(PER_NODE) if (e := self.entry(k, j, now)) is not None]
-        digest = {
+    def digest(self, k: int, now: float, ts: float) -> dict[str, Any]:
+        """Node ``k``'s digest at ``now`` as a dict (what a launcher encodes; the reference)."""
+        return {
             "job": SIM_JOB,
-            "ts": time.time(),
+            "ts": ts,
             "node": sim_node(k),
             "launcher": sim_launcher(k),
             "host": f"sim-{k}",
             "seq": self.seq[k],
             "interval_ms": self.interval * 1e3,
-            "entries": entries,
+            "entries": [e for j in range(PER_NODE) if (e := self.entry(k, j, now)) is not None],
         }
+
+    def payload(self, k: int, now: float, ts: float | None = None) -> bytes:
+        """``msgpack.packb(self.digest(k, now, ts))``, from the fragments (the hot path)."""
+        interval, frozen, pk = self.interval, self.frozen, self._pack_int
+        parts: list[bytes] = []
+        for j, (start, before_seq, before_step, after_step, tail) in enumerate(self._ranks[k]):
+            at = frozen.get((k, j), now) if frozen else now
+            t = (at if at < now else now) - start
+            if t < 0:
+                continue  # no heartbeat yet
+            m = int(t // interval)
+            age = (now - (start + m * interval)) * 1e3
+            packed = pk(m)
+            parts += (
+                before_seq,
+                packed,
+                before_step,
+                packed,
+                after_step[m & 1],
+                _F64(0xCB, age if age > 0.0 else 0.0),
+                tail,
+            )
+        head, mid, end = self._node_parts[k]
+        count = len(parts) // 7
+        data = b"".join(
+            (head, _F64(0xCB, time.time() if ts is None else ts), mid, pk(self.seq[k]), end, _ARRAY(0x90 | count), *parts)
+        )  # fmt: skip
         self.seq[k] += 1
-        return msgpack.packb(digest, use_bin_type=True)  # type: ignore[no-any-return]
+        return data
 
     async def control(self, raw: Msg) -> None:
         req = json.loads(raw.data)
@@ -226,11 +292,14 @@ class SimulatedNodes:
         await raw.respond(json.dumps({"at": at}).encode())
 
     async def run(self) -> None:
+        """Publish each node's digest every interval, spread evenly; the loop wakes at
+        most every ``SIM_BATCH_S`` and sends what is due (a launcher's timer jitters too)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         n = len(self.nodes)
         due = [(t0 + self.interval * i / n, k) for i, k in enumerate(self.nodes)]
         heapq.heapify(due)
+        publish, headers, subjects = self.bus.nc.publish, self.headers, self.subjects
         while due:
             now = loop.time()
             while due and due[0][0] <= now:
@@ -238,12 +307,37 @@ class SimulatedNodes:
                 if k in self.silent:
                     continue
                 self.lags.append(now - at)
-                subject = NODE_DIGEST.format(job=SIM_JOB, node=sim_node(k))
-                await self.bus.nc.publish(subject, self.payload(k, time.monotonic()), headers=self.headers)
+                await publish(subjects[k], self.payload(k, time.monotonic()), headers=headers)
                 self.sent += 1
                 heapq.heappush(due, (at + self.interval, k))
             if due:
-                await asyncio.sleep(max(0.0, due[0][0] - loop.time()))
+                await asyncio.sleep(max(SIM_BATCH_S, due[0][0] - loop.time()))
+
+
+_F64 = struct.Struct(">Bd").pack
+_ARRAY = struct.Struct(">B").pack
+SIM_BATCH_S = 0.005
+
+
+def _check_payload() -> None:
+    """The fragments make the very bytes of the reference dict, which decode() accepts
+    and a launcher's encode() of that message makes too.
+
+    >>> _check_payload()
+    """
+    from phalanx.services.failure_detector.wire import read_digest
+
+    sim = SimulatedNodes(None, [0, 7, 1999], 0.5, 3)  # type: ignore[arg-type]
+    sim.frozen[(7, 2)] = sim.t0 + 0.9
+    for dt in (0.0, 0.3, 0.61, 1.2, 5.55, 40.02):
+        for k in sim.nodes:
+            now = sim.t0 + dt
+            ref = msgpack.packb(sim.digest(k, now, 1.7e9 + dt), use_bin_type=True)
+            got = sim.payload(k, now, 1.7e9 + dt)
+            assert got == ref, (k, dt, msgpack.unpackb(got), msgpack.unpackb(ref))
+            # a launcher encoding the same digest sends the very same bytes
+            assert encode(decode(got, sim.headers, NodeDigest)) == (got, sim.headers)
+            assert read_digest(got, sim.headers) is not None
 
 
 async def simulate(url: str, proc: int, nodes: list[int], interval: float, seed: int) -> None:
@@ -704,6 +798,12 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             "cpus": os.cpu_count(),
         }
     finally:
+        # the detector goes first: simulated nodes that stop are no incident to judge
+        detector = services.get("failure-detector")
+        if detector is not None and detector.poll() is None:
+            detector.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                detector.wait(15)
         if sims is not None:
             sims.stop()
         if launcher is not None:

@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from bench.baseline.run import REPO, SCRIPT, summarize
+from bench.baseline.run import REPO, SCRIPT, script_args, summarize
 from examples.corpus import DEFAULT_OUT, build_corpus
 from phalanx.netns import NetnsCluster
 
@@ -180,24 +180,7 @@ def run_node_loss_trial(
     if log.exists() or (ckpt.exists() and any(ckpt.iterdir())):
         raise FileExistsError(f"{work} holds an earlier trial; use a fresh directory")
     work.mkdir(parents=True, exist_ok=True)
-    train_args = [
-        "--data",
-        str(data),
-        "--steps",
-        str(steps),
-        "--global-batch",
-        str(global_batch),
-        "--seq-len",
-        str(seq_len),
-        "--seed",
-        str(seed),
-        "--ckpt-dir",
-        str(ckpt),
-        "--ckpt-every",
-        str(ckpt_every),
-        "--log-file",
-        str(log),
-    ]
+    train_args = script_args(data, steps, global_batch, seq_len, seed, ckpt, ckpt_every, log)
     endpoint = f"{cluster.ip(nodes[0])}:{random.randint(20000, 59999)}"
     rdzv_id = f"nodes-{secrets.token_hex(4)}"
     agents: dict[str, subprocess.Popen[bytes]] = {}

@@ -94,6 +94,30 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def script_args(
+    data: str | os.PathLike[str],
+    steps: int,
+    global_batch: int,
+    seq_len: int,
+    seed: int,
+    ckpt: Path,
+    ckpt_every: int,
+    log: Path,
+) -> list[str]:
+    """The arguments of bench/baseline/train_ddp.py for one trial."""
+    args = {
+        "--data": data,
+        "--steps": steps,
+        "--global-batch": global_batch,
+        "--seq-len": seq_len,
+        "--seed": seed,
+        "--ckpt-dir": ckpt,
+        "--ckpt-every": ckpt_every,
+        "--log-file": log,
+    }
+    return [str(x) for kv in args.items() for x in kv]
+
+
 def run_trial(
     workdir: str | os.PathLike[str],
     nproc: int = 4,
@@ -133,22 +157,7 @@ def run_trial(
         "--rdzv-endpoint",
         f"127.0.0.1:{free_port()}",
         str(SCRIPT),
-        "--data",
-        str(data),
-        "--steps",
-        str(steps),
-        "--global-batch",
-        str(global_batch),
-        "--seq-len",
-        str(seq_len),
-        "--seed",
-        str(seed),
-        "--ckpt-dir",
-        str(ckpt),
-        "--ckpt-every",
-        str(ckpt_every),
-        "--log-file",
-        str(log),
+        *script_args(data, steps, global_batch, seq_len, seed, ckpt, ckpt_every, log),
     ]
     if kill_at_step is not None:
         cmd += ["--kill-at-step", str(kill_at_step), "--kill-rank", str(kill_rank)]

@@ -30,6 +30,7 @@ import asyncio
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -427,22 +428,32 @@ class ElasticityPlanner(Service):
         if state is None or node is None or node.lost or (event.launcher and event.launcher != node.launcher):
             self.log.info("node_lost_ignored", job=event.job, node=event.node, incident=event.incident)
             return
+        node.lost = True
+        state.lost_launchers.append(node.launcher)
+        await self._plan(
+            state,
+            event.incident,
+            {"phalanx.node": event.node, "phalanx.cause": event.cause.value},
+            lambda: self.policy.on_node_lost(state, event.node, f"lost ({event.cause.value})"),
+        )
+
+    async def _plan(
+        self,
+        state: JobState,
+        incident: str,
+        attributes: dict[str, str],
+        decide: Callable[[], Decision],
+    ) -> None:
+        """Decide on an incident and apply it, inside the incident's ``plan`` span."""
         with _tracer.start_as_current_span(
             "plan",
             start_time=int(time.time() * 1e9),
-            attributes={
-                "phalanx.job": event.job,
-                "phalanx.incident": event.incident,
-                "phalanx.node": event.node,
-                "phalanx.cause": event.cause.value,
-            },
+            attributes={"phalanx.job": state.spec.job, "phalanx.incident": incident, **attributes},
         ) as span:
-            decision = self.policy.on_node_lost(state, event.node, f"lost ({event.cause.value})")
-            node.lost = True
-            state.lost_launchers.append(node.launcher)
+            decision = decide()
             span.set_attribute("phalanx.action", decision.action.value)
             span.set_attribute("phalanx.reason", decision.reason)
-            await self._apply(state, event.incident, decision)
+            await self._apply(state, incident, decision)
 
     async def _on_fault(self, event: RankFailed | RankHung) -> None:
         state = self.jobs.get(event.job)
@@ -450,20 +461,12 @@ class ElasticityPlanner(Service):
             self.log.warning("fault_for_unknown_job", job=event.job, incident=event.incident)
             return
         fault = Fault(event.incident, event.worker, event.cause.value, isinstance(event, RankHung))
-        with _tracer.start_as_current_span(
-            "plan",
-            start_time=int(time.time() * 1e9),
-            attributes={
-                "phalanx.job": event.job,
-                "phalanx.incident": event.incident,
-                "phalanx.worker": event.worker,
-                "phalanx.cause": event.cause.value,
-            },
-        ) as span:
-            decision = self.policy.on_fault(state, fault)
-            span.set_attribute("phalanx.action", decision.action.value)
-            span.set_attribute("phalanx.reason", decision.reason)
-            await self._apply(state, event.incident, decision)
+        await self._plan(
+            state,
+            event.incident,
+            {"phalanx.worker": event.worker, "phalanx.cause": event.cause.value},
+            lambda: self.policy.on_fault(state, fault),
+        )
 
     def _on_ack(self, ack: PlanAck) -> None:
         pending = self._pending.get(ack.job)

@@ -417,7 +417,8 @@ class _Beat:
     """``mean_s``.. ``slack_s`` lag the samples (a worker's, see ``Detector._schedule_worker``):
     read them after ``Detector._fresh``."""
     silence_at: float | None = None
-    """When the live heap entry for silence fires."""
+    """When silence is next checked: a node's live heap entry; for a worker, one of the
+    two deadlines its single heap entry (``check_at``) stands for."""
 
 
 @dataclass(eq=False, kw_only=True, slots=True)
@@ -462,7 +463,10 @@ class _Worker(_Beat):
     progress_at: float = 0.0
     progress_wall: float = 0.0
     stall_at: float | None = None
-    """When the live heap entry for a stall fires."""
+    """When the stall rule is next checked (None: not in COMPUTE when last checked)."""
+    check_at: float | None = None
+    """When the worker's one live heap entry fires: ``min(silence_at, stall_at)`` when
+    pushed; both may have moved later since (see ``Detector._top_expired``)."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -976,11 +980,14 @@ class Detector:
                 self._estimate(w)
         else:
             self._estimate(w)
+        check = w.check_at
         if not w.stale:
             at = self._silence_deadline(w)
             if silence_at is None or at < silence_at:
                 w.silence_at = at
-                self._push(at, _Kind.SILENCE, w)
+                if check is None or at < check:
+                    w.check_at = check = at
+                    self._push(at, _Kind.SILENCE, w)
         if w.phase is Phase.COMPUTE:  # (stall_bound, inline)
             since = w.progress_at if w.progress_at > w.phase_start else w.phase_start
             if w.steps:
@@ -988,9 +995,12 @@ class Detector:
                 at = since + (bound if bound > self._stall_floor else self._stall_floor)
             else:
                 at = since + self._stall_initial
-            if w.stall_at is None or at < w.stall_at:
+            stall_at = w.stall_at
+            if stall_at is None or at < stall_at:
                 w.stall_at = at
-                self._push(at, _Kind.STALL, w)
+                if check is None or at < check:
+                    w.check_at = at
+                    self._push(at, _Kind.STALL, w)
 
     def _slack(self, w: _Worker, mean: float) -> float:
         if w.node is None:
@@ -1001,9 +1011,26 @@ class Detector:
         return self._digest_slack * w.digest_s + (gap if gap > 0.0 else 0.0)
 
     def _estimate(self, w: _Worker) -> None:
-        """Set ``w``'s mean, floored sigma, threshold and slack from its samples."""
-        mean, std = w.intervals.estimate(w.declared_s, self._min_samples, self._min_std_ratio, self._min_std)
-        w.mean_s, w.std_s, w.slack_s = mean, std, self._slack(w, mean)
+        """Set ``w``'s mean, floored sigma, threshold and slack from its samples.
+
+        (:meth:`IntervalWindow.estimate` and :meth:`_slack`, inline: this runs for
+        every worker about once per interval.)
+        """
+        iv = w.intervals
+        n = len(iv._samples)
+        if n < self._min_samples:
+            mean, std = iv.estimate(w.declared_s, self._min_samples, self._min_std_ratio, self._min_std)
+        else:
+            mean = iv._sum / n
+            var = iv._sumsq / n - mean * mean
+            std = math.sqrt(var) if var > 0.0 else 0.0
+            floor = self._min_std_ratio * mean
+            floor = floor if floor > self._min_std else self._min_std
+            std = std if std > floor else floor
+        if w.node is not None:
+            gap = w.digest_s - mean
+            w.slack_s = self._digest_slack * w.digest_s + (gap if gap > 0.0 else 0.0)
+        w.mean_s, w.std_s = mean, std
         w.threshold_s = mean * self._pause + self._z * std
         w.stale = False
 
@@ -1032,48 +1059,90 @@ class Detector:
     def _top_expired(self, now: float) -> tuple[_Kind, _Worker | _Node] | None:
         """Tidy the heap top until it is a real expiry (returned) or in the future.
 
-        A heap entry is live if its worker incarnation is still tracked and it is
-        the entry that worker's ``silence_at``/``stall_at`` points to. A live entry
-        whose real deadline moved later (newer heartbeats, a hold) is re-pushed.
+        A node has one heap entry, at its ``silence_at``; a worker has one, at its
+        ``check_at``, for the earlier of its two deadlines (``silence_at``,
+        ``stall_at``). An entry is live if its incarnation is still tracked and it is
+        the entry that ``silence_at``/``check_at`` points to. A deadline checked
+        before its real time (newer heartbeats, a hold moved it later) is moved to
+        that time and the entry re-pushed (one ``heapreplace``). When a worker's
+        silence is checked, its stall deadline is brought up to date too (cleared
+        out of COMPUTE, else the learned bound, which only moves later), so a rank
+        that keeps alternating COMPUTE and COLLECTIVE costs no heap operation of
+        its own for the stall rule.
         """
-        heap = self._heap
+        heap, tracked, nodes = self._heap, self._tracked, self._nodes
         while heap and heap[0][0] <= now:
             at, _, kind, key, token = heap[0]
-            w: _Worker | _Node | None = self._nodes.get(key) if kind is _Kind.NODE else self._tracked.get(key)
-            live = (
-                w is not None
-                and w.token == token
-                and (
-                    w.stall_at == at if isinstance(w, _Worker) and kind is _Kind.STALL else w.silence_at == at
-                )
-            )
-            if not live or w is None:
+            if kind is _Kind.NODE:
+                n = nodes.get(key)
+                if n is None or n.token != token or n.silence_at != at:
+                    heapq.heappop(heap)
+                    continue
+                if now < self._hold_until:
+                    return None
+                real = self._silence_deadline(n)
+                if real <= now:
+                    return kind, n
+                n.silence_at = real
+                heapq.heapreplace(heap, (real, next(self._counter), kind, key, token))
+                continue
+            w = tracked.get(key)
+            if w is None or w.token != token or w.check_at != at:
                 heapq.heappop(heap)
                 continue
             if now < self._hold_until:
                 return None
-            if kind is not _Kind.STALL:
-                real: float | None = self._silence_deadline(w)
-            elif not isinstance(w, _Worker) or w.phase is not Phase.COMPUTE:
-                real = None
-            elif w.last_arrival < self._hold_until:
-                real = now + w.declared_s  # wait for a heartbeat after the hold to confirm
+            silence_at, stall_at = w.silence_at, w.stall_at
+            if stall_at is not None and (silence_at is None or stall_at < silence_at):
+                kind = _Kind.STALL
+                real_stall: float | None
+                if w.phase is not Phase.COMPUTE:
+                    real_stall = None
+                elif w.last_arrival < self._hold_until:
+                    real_stall = now + w.declared_s  # wait for a heartbeat after the hold to confirm
+                else:
+                    real_stall = w.stall_since[0] + self.stall_bound(w)
+                if real_stall is not None and real_stall <= now:
+                    node = self._node_overdue(w, now)
+                    if node is not None:  # no news of the node either: its verdict (or next digest) decides
+                        real_stall = max(self._silence_deadline(node), now + 1e-3)
+                    if real_stall <= now:
+                        return kind, w
+                w.stall_at = stall_at = real_stall
             else:
-                real = w.stall_since[0] + self.stall_bound(w)
-            if real is not None and real <= now and isinstance(w, _Worker):
-                node = self._node_overdue(w, now)
-                if node is not None:  # no news of the node either: its verdict (or next digest) decides
-                    real = max(self._silence_deadline(node), now + 1e-3)
-            if real is not None and real <= now:
-                return kind, w
-            heapq.heappop(heap)
-            if kind is _Kind.STALL:
-                assert isinstance(w, _Worker)
-                w.stall_at = real
-            else:
-                w.silence_at = real
-            if real is not None:
-                self._push(real, kind, w)
+                kind = _Kind.SILENCE
+                if w.stale:  # (_silence_deadline, inline)
+                    self._estimate(w)
+                last, hold = w.last_arrival, self._hold_until
+                real = (last if last > hold else hold) + w.threshold_s + w.slack_s
+                if real <= now:
+                    node = self._node_overdue(w, now)
+                    if node is not None:  # no news of the node either: its verdict (or next digest) decides
+                        real = max(self._silence_deadline(node), now + 1e-3)
+                    if real <= now:
+                        return kind, w
+                w.silence_at = silence_at = real
+                if stall_at is not None and stall_at > now:  # (one that is due is checked on its own)
+                    if w.phase is not Phase.COMPUTE:
+                        w.stall_at = stall_at = None
+                    elif last >= hold:  # (stall_since and stall_bound, inline)
+                        since = w.progress_at if w.progress_at > w.phase_start else w.phase_start
+                        if w.steps:
+                            bound = self._stall_factor * w.max_step_ms / 1e3
+                            bound = bound if bound > self._stall_floor else self._stall_floor
+                        else:
+                            bound = self._stall_initial
+                        w.stall_at = stall_at = since + bound
+            if stall_at is not None and (silence_at is None or stall_at < silence_at):
+                nxt, kind = stall_at, _Kind.STALL
+            elif silence_at is not None:
+                nxt, kind = silence_at, _Kind.SILENCE
+            else:  # (not reached: a tracked worker always has a silence deadline)
+                w.check_at = None
+                heapq.heappop(heap)
+                continue
+            w.check_at = nxt
+            heapq.heapreplace(heap, (nxt, next(self._counter), kind, key, token))
         return None
 
     def _phi_now(self, w: _Beat, now: float) -> float:

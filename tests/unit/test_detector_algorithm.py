@@ -828,3 +828,11 @@ def test_digest_rows_from_the_wire_make_the_same_verdicts_as_models() -> None:
         out += drive(clock, det, nodes, 3.0)
         runs.append([(at, v.id, v.fault_at, sorted(v.evidence.items())) for at, v in out])
     assert len(runs[0]) == 2 and runs[0] == runs[1]
+
+
+def test_bench_simulator_sends_what_a_launcher_encodes() -> None:
+    """bench.detect builds its simulated digests from pre-packed fragments: the bytes
+    must be those of a launcher's encode() of the same NodeDigest, and read the same."""
+    from bench.detect import _check_payload
+
+    _check_payload()
