@@ -58,7 +58,17 @@ from phalanx.bus import Bus
 from phalanx.bus.subjects import HEARTBEAT, NODE_DIGEST
 from phalanx.natsserver import NatsServer
 from phalanx.runtime.launcher import LaunchConfig, Launcher
-from phalanx.schemas import FaultCause, Heartbeat, NodeDigest, NodeLost, RankFailed, RankHung, Role, decode, encode
+from phalanx.schemas import (
+    FaultCause,
+    Heartbeat,
+    NodeDigest,
+    NodeLost,
+    RankFailed,
+    RankHung,
+    Role,
+    decode,
+    encode,
+)
 from phalanx.schemas.codec import headers_for
 from phalanx.service import ping
 from phalanx.telemetry import setup_logging

@@ -207,6 +207,10 @@ class FailureDetector(Service):
         self._digest_sub: Any = None
         self._tick_task: asyncio.Task[None] | None = None
         self._reports: set[asyncio.Task[None]] = set()
+        self._ping: asyncio.Task[None] | None = None
+        self._ping_epoch = 0
+        """``bus.reconnects`` when that PING was sent."""
+        self.deaf_holds = 0
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
@@ -244,6 +248,8 @@ class FailureDetector(Service):
             self._tick_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._tick_task
+        if self._ping is not None and not self._ping.done():  # not cancelled: see _caught_up
+            await asyncio.wait({self._ping}, timeout=1.0)
         if self._reports:  # let verdicts already decided reach the bus
             _, pending = await asyncio.wait(set(self._reports), timeout=5.0)
             for t in pending:
@@ -276,6 +282,7 @@ class FailureDetector(Service):
             "holds": s.holds,
             "lag_holds": self.lag_holds,
             "backlog_holds": self.backlog_holds,
+            "deaf_holds": self.deaf_holds,
             "publish_retries": self.publish_retries,
             "reconnects": self.bus.reconnects,
             "ticks": self.ticks,
@@ -376,6 +383,12 @@ class FailureDetector(Service):
                 if not self.bus.nc.is_connected:
                     self.detector.hold(now + cfg.reconnect_grace_s)
                     continue
+                if self._deaf():
+                    self.deaf_holds += 1
+                    self.detector.hold(now + cfg.reconnect_grace_s)
+                    if self.deaf_holds % 100 == 1:
+                        self.log.error("detector_deaf", reason="the NATS client's read loop ended")
+                    continue
                 if lag > cfg.max_lag_s:
                     self.lag_holds += 1
                     self.detector.hold(now)
@@ -398,13 +411,30 @@ class FailureDetector(Service):
         """Whether every heartbeat and digest the server sent so far has been observed.
 
         The PONG to a PING comes after every message the server sent before it,
-        so once :meth:`flush` returns they all sit in the subscriptions' queues;
-        then let the subscriptions' tasks empty them.
+        so once it is back they all sit in the subscriptions' queues; then let the
+        subscriptions' tasks empty them.
+
+        The PING is never cancelled: nats.py's ``flush(timeout)`` cancels its
+        future on a timeout but leaves it queued, and the late PONG then ends the
+        client's read loop (``InvalidStateError`` on ``set_result``) while the
+        client still reports itself connected: a detector that hears nothing more
+        and judges every node lost. So one PING at a time is in flight, awaited
+        here for at most ``drain_timeout_s`` (then: not caught up, a backlog), and
+        while it is unanswered the detector is behind by definition.
         """
-        try:
-            # nats.py annotates the timeout as int; it is handed to asyncio.wait_for.
-            await self.bus.nc.flush(timeout=self.config.drain_timeout_s)  # type: ignore[arg-type]
-        except Exception:
+        ping = self._ping
+        if ping is not None and not ping.done():
+            if self.bus.reconnects == self._ping_epoch:
+                return False  # an earlier PING is still unanswered: messages before it are still coming
+            ping.cancel()  # lost with the old connection (a reconnect forgets its PINGs): safe to cancel
+        if ping is not None and not ping.cancelled():
+            ping.exception()  # (retrieved: a failed PING only means not caught up then)
+        # nats.py annotates the timeout as int; it is handed to asyncio.wait_for. Long
+        # enough never to expire on a live connection (see above).
+        self._ping_epoch = self.bus.reconnects
+        self._ping = ping = asyncio.create_task(self.bus.nc.flush(timeout=3600), name="failure-detector-ping")  # type: ignore[arg-type]
+        done, _ = await asyncio.wait({ping}, timeout=self.config.drain_timeout_s)
+        if not done or ping.cancelled() or ping.exception() is not None:
             return False
         deadline = self.clock() + self.config.drain_timeout_s
         spins = 0
@@ -415,6 +445,13 @@ class FailureDetector(Service):
             spins += 1
             await asyncio.sleep(0 if spins < 100 else 0.001)
         return True
+
+    def _deaf(self) -> bool:
+        """Whether the NATS client stopped reading while it says it is connected (its
+        read loop ended on an error it does not recover from): nothing is heard, so
+        nobody may be judged."""
+        reader = getattr(self.bus.nc, "_reading_task", None)
+        return reader is not None and reader.done()
 
     async def _report(self, incident: Verdict, trigger: Context | None = None) -> None:
         """Publish one verdict inside its own trace, retrying until it is stored."""
