@@ -65,6 +65,7 @@ from phalanx.bus.subjects import (
     PLAN,
     REGISTERED,
 )
+from phalanx.runtime.addr import split_addr
 from phalanx.schemas import (
     Action,
     CollectiveError,
@@ -508,6 +509,7 @@ class ElasticityPlanner(Service):
                 launch=state.run,
                 nodes={w: n for w in workers if (n := state.node_of(w)) is not None},
                 lost_launchers=list(state.lost_launchers),
+                lost_hosts=self._lost_hosts(state),
             )
             await self._commit(plan)
             state.plan = plan
@@ -516,6 +518,13 @@ class ElasticityPlanner(Service):
             state.phase = JobPhase.STOPPED
         await self._save(state)
         await self._publish_decision(state, incident, d.action, d.reason, generation, key=incident or "start")
+
+    @staticmethod
+    def _lost_hosts(state: JobState) -> list[str]:
+        """The addresses of lost nodes that no live node shares (a cut must never hit a live peer)."""
+        live = {split_addr(s.store_addr)[0] for s in state.nodes.values() if not s.lost and s.store_addr}
+        lost = {split_addr(s.store_addr)[0] for s in state.nodes.values() if s.lost and s.store_addr}
+        return sorted(lost - live)
 
     @staticmethod
     def _store_for(state: JobState) -> str:

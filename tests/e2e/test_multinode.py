@@ -49,8 +49,6 @@ def mstack(cluster: NetnsCluster, tmp_path_factory: pytest.TempPathFactory) -> I
         "PHALANX_STALL_FLOOR_MS": "1500",
         "PHALANX_STALL_INITIAL_MS": "10000",
         "PHALANX_PLANNER_COMM_GRACE_S": "1.0",
-        # a partitioned peer gives no socket error: survivors leave the collective at this bound
-        "PHALANX_COLLECTIVE_TIMEOUT_S": "8",
         "PHALANX_DATA_CACHE_DIR": str(tmp_path_factory.mktemp("datacache-mn")),
     }
     with LocalStack(
@@ -149,7 +147,7 @@ def test_node_hosting_the_store_killed_moves_the_rendezvous(
 
 
 def test_partitioned_node_is_replaced_and_its_stale_ranks_exit_after_reconnecting(
-    run_nodes: RunNodes, reference4: dict[str, torch.Tensor], cluster: NetnsCluster
+    run_nodes: RunNodes, reference4: dict[str, torch.Tensor], cluster: NetnsCluster, mstack: LocalStack
 ) -> None:
     cut: list[str] = []
 
@@ -162,6 +160,15 @@ def test_partitioned_node_is_replaced_and_its_stale_ranks_exit_after_reconnectin
 
     result, weights = run_nodes(actions=[(4, partition), (10, heal)])
     assert [n.node for n in result.node_losses] == cut
+    # no socket error crosses a partition: the survivors were released from their
+    # collective by cutting their own connections to the lost node's address (the
+    # collective's 120 s backstop timeout would have made recovery wait that long)
+    assert final(result).lost_hosts == [cluster.ip(cut[0])]
+    logs = mstack.workdir / "logs" / result.job
+    cutters = {p.stem for n in LAYOUT if n != cut[0] for p in (logs / n).glob("*.log")
+               if '"connections_cut"' in p.read_text()}  # fmt: skip
+    survivors = {m.worker for m in result.plans[0].members if result.plans[0].nodes[m.worker] != cut[0]}
+    assert survivors <= cutters, (survivors, cutters)
     plan = final(result)
     assert cut[0] not in plan.nodes.values() and plan.world_size == 4
     # The cut-off launcher saw it was declared lost once it could hear again:

@@ -29,6 +29,7 @@ from opentelemetry import context as otel_context
 from phalanx.bus import JOBS_BUCKET, Bus, Subject
 from phalanx.bus.subjects import ACK, PLAN, REGISTERED
 from phalanx.runtime.heartbeat import HeartbeatPublisher
+from phalanx.runtime.sever import sever
 from phalanx.runtime.status import RankStatus
 from phalanx.schemas import (
     DecodeError,
@@ -79,6 +80,7 @@ class Agent:
         self._bus: Bus | None = None
         self._hb_task: asyncio.Task[None] | None = None
         self._hb: HeartbeatPublisher | None = None
+        self._severed: set[str] = set()
 
     # -- lifecycle ------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> Agent:
@@ -160,10 +162,21 @@ class Agent:
             self._latest = PlanEnvelope(plan, received, extract_context(headers))
             self._cond.notify_all()
         self.log.info("plan_received", generation=plan.generation, reason=plan.reason)
+        self._cut_lost_hosts(plan)
         rank = plan.rank_of(self.status.worker)
         if rank is not None and self._bus is not None:
             ack = PlanAck(job=plan.job, generation=plan.generation, worker=self.status.worker, rank=rank)
             asyncio.get_running_loop().create_task(self._publish_quietly(ACK, ack, plan.job))
+
+    def _cut_lost_hosts(self, plan: Plan) -> None:
+        """Release a collective blocked on a node that was cut off (see :mod:`.sever`)."""
+        hosts = set(plan.lost_hosts) - self._severed - {os.environ.get("PHALANX_BIND", "")}
+        if hosts:
+            self._severed |= hosts
+            cut = sever(hosts)
+            self.log.warning(
+                "connections_cut", hosts=sorted(hosts), connections=cut, generation=plan.generation
+            )
 
     async def _publish_quietly(self, subject: Subject, msg: Message, job: str) -> None:
         try:

@@ -264,6 +264,10 @@ class Plan(JobMessage):
         default_factory=list,
         description="Launchers of this run whose node was declared lost: they fence their workers and end.",
     )
+    lost_hosts: list[str] = Field(
+        default_factory=list,
+        description="Addresses of those nodes (none shared with a live node): ranks cut their connections to them.",
+    )
 
     @model_validator(mode="after")
     def _dense(self) -> Plan:
