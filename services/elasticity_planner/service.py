@@ -126,6 +126,10 @@ class ElasticityPlanner(Service):
         # await; one decision at a time keeps each job's state and generation consistent.
         self._lock = asyncio.Lock()
         self.decisions = 0
+        self.spare_wait_s = env_float("PHALANX_PLANNER_SPARE_WAIT_S", 30.0)
+        self._deferred: dict[str, list[tuple[str, dict[str, str], Callable[[], Decision]]]] = {}
+        self._waiting_for_spares: set[str] = set()  # incidents whose wait for spares has begun
+        self._waited_out: set[str] = set()
 
     async def start(self) -> None:
         self.kv = await self.bus.js.key_value(JOBS_BUCKET)
@@ -422,6 +426,8 @@ class ElasticityPlanner(Service):
         (state.ranks if rank else state.spares).append(reg.worker)
         await self._save(state)
         await self._maybe_start(state)
+        if not rank and reg.job in self._deferred:
+            await self._retry_deferred(reg.job)
 
     async def _on_node_lost(self, event: NodeLost) -> None:
         state = self.jobs.get(event.job)
@@ -445,16 +451,67 @@ class ElasticityPlanner(Service):
         attributes: dict[str, str],
         decide: Callable[[], Decision],
     ) -> None:
-        """Decide on an incident and apply it, inside the incident's ``plan`` span."""
+        """Decide on an incident and apply it, inside the incident's ``plan`` span.
+
+        A shrink or a stop while spares of the job are still starting (a fault in
+        the first step, before a spare has registered) waits for them, at most
+        ``spare_wait_s``: the decision is taken again when one registers.
+        """
         with _tracer.start_as_current_span(
             "plan",
             start_time=int(time.time() * 1e9),
             attributes={"phalanx.job": state.spec.job, "phalanx.incident": incident, **attributes},
         ) as span:
             decision = decide()
+            starting = self._starting(state) if decision.action in (Action.SHRINK, Action.STOP) else []
+            if starting and incident not in self._waited_out:
+                span.set_attribute("phalanx.action", Action.HOLD.value)
+                await self._defer(state, incident, attributes, decide, starting)
+                return
             span.set_attribute("phalanx.action", decision.action.value)
             span.set_attribute("phalanx.reason", decision.reason)
             await self._apply(state, incident, decision)
+
+    @staticmethod
+    def _starting(state: JobState) -> list[str]:
+        """Workers of live nodes that have not registered yet (spares warming up)."""
+        known = set(state.ranks) | set(state.spares) | state.lost
+        return [w for n in state.live_nodes() for w in state.nodes[n].workers if w not in known]
+
+    async def _defer(
+        self,
+        state: JobState,
+        incident: str,
+        attributes: dict[str, str],
+        decide: Callable[[], Decision],
+        starting: list[str],
+    ) -> None:
+        job = state.spec.job
+        self._deferred.setdefault(job, []).append((incident, attributes, decide))
+        if incident in self._waiting_for_spares:
+            return  # decided again, still waiting: the first wait's deadline holds
+        self._waiting_for_spares.add(incident)
+        reason = f"{incident}: waiting up to {self.spare_wait_s:g}s for spare(s) {starting} still starting"
+        await self._publish_decision(state, incident, Action.HOLD, reason, None, key=f"{incident}:waiting")
+
+        async def give_up() -> None:
+            async with self._lock:
+                self._waited_out.add(incident)
+                await self._retry_deferred(job, only=incident)
+
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.spare_wait_s, lambda: asyncio.ensure_future(give_up()))
+
+    async def _retry_deferred(self, job: str, only: str | None = None) -> None:
+        """Decide the waiting incidents of ``job`` again (a spare registered, or the wait ran out)."""
+        state = self.jobs.get(job)
+        waiting = self._deferred.pop(job, [])
+        keep = [d for d in waiting if only is not None and d[0] != only]
+        if keep:
+            self._deferred[job] = keep
+        for incident, attributes, decide in waiting:
+            if state is not None and (only is None or incident == only):
+                await self._plan(state, incident, attributes, decide)
 
     async def _on_fault(self, event: RankFailed | RankHung) -> None:
         state = self.jobs.get(event.job)

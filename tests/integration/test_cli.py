@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import nats
-from phalanx.services.elasticity_planner.service import ElasticityPlanner
+from nats.aio.msg import Msg
 
 from phalanx.bus import JOBS_BUCKET, Bus
-from phalanx.bus.subjects import JOB_SPEC
+from phalanx.bus.subjects import JOB_SPEC, JOINED
 from phalanx.natsserver import free_port
-from phalanx.schemas import JobSpec
-from phalanx.service import run_service
+from phalanx.schemas import JobSpec, NodeJoined, decode
+from phalanx.service import ping
 
 
 def _port_open(port: int) -> bool:
@@ -73,20 +73,28 @@ async def test_phalanx_run_without_a_planner_fails_with_what_to_start(nats_url: 
 
 
 async def test_a_node_that_disagrees_with_the_job_is_refused_and_changes_nothing(
-    nats_url: str, bus: Bus
+    nats_url: str, bus: Bus, tmp_path: Path
 ) -> None:
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_service(ElasticityPlanner, url=nats_url, stop=stop))
+    log = open(tmp_path / "planner.log", "wb")
+    planner = subprocess.Popen(
+        [sys.executable, "-m", "phalanx.cli", "service", "elasticity-planner"],
+        env={**os.environ, "NATS_URL": nats_url},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
-        # node a is in the job (waiting for a second node): global batch 32
+        await _until_healthy(bus, "elasticity-planner", planner)
+        # node a is in the job (waiting for a second node), with a global batch of 32
+        answers: asyncio.Queue[NodeJoined] = asyncio.Queue()
+
+        async def on_answer(raw: Msg) -> None:
+            answers.put_nowait(decode(raw.data, raw.headers, NodeJoined))
+
+        await bus.nc.subscribe(JOINED.format(job="mn"), cb=on_answer)
         spec = JobSpec(job="mn", node="a", launcher="La", workers=["a-w0"], ranks=1, global_batch=32, min_nodes=2, max_nodes=2)  # fmt: skip
         await bus.publish(JOB_SPEC, spec, job="mn", msg_id="spec-a")
+        assert (await asyncio.wait_for(answers.get(), 15)).accepted
         kv = await bus.js.key_value(JOBS_BUCKET)
-        for _ in range(200):
-            with contextlib.suppress(Exception):
-                if (await kv.get("mn.planner")).value:
-                    break
-            await asyncio.sleep(0.05)
         before = (await kv.get("mn.planner")).value
         args = [
             "--nnodes",
@@ -103,7 +111,25 @@ async def test_a_node_that_disagrees_with_the_job_is_refused_and_changes_nothing
         done = await asyncio.to_thread(_phalanx_run, nats_url, *args)
         assert done.returncode == 2, done.stderr
         assert "refused node 'b'" in done.stderr and "global_batch=16 (the job has 32)" in done.stderr
+        refusal = await asyncio.wait_for(answers.get(), 15)
+        assert not refusal.accepted and not refusal.retry  # settings never change: no use asking again
         assert (await kv.get("mn.planner")).value == before  # the planner's record did not move
     finally:
-        stop.set()
-        await task
+        planner.terminate()
+        planner.wait(30)
+        log.close()
+
+
+async def _until_healthy(
+    bus: Bus, service: str, proc: subprocess.Popen[bytes], timeout_s: float = 60
+) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        assert proc.poll() is None, f"{service} exited with {proc.returncode}"
+        try:
+            await ping(bus, service, timeout=1.0)
+            return
+        except Exception:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)

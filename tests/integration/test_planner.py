@@ -345,3 +345,43 @@ async def test_a_member_silent_among_failing_peers_is_replaced(
     assert replaced.rank_of("w3") == 1 and replaced.removed == ["w1"]
     decision = next(d for d in watcher.decisions if d.generation == 2)
     assert decision.action is Action.REPLACE and "silent while ['w0', 'w2']" in decision.reason
+
+
+async def _register(bus: Bus, run: str, worker: str, role: Role, pid: int) -> None:
+    reg = Registered(job=JOB, worker=worker, role=role, host="h", pid=pid, launch=run)
+    await bus.publish(REGISTERED, reg, job=JOB, msg_id=f"reg-{run}-{worker}")
+
+
+async def test_a_fault_before_the_spare_registered_waits_for_it(
+    nats_url: str, bus: Bus, watcher: Watcher
+) -> None:
+    async with planner(nats_url):
+        run = (await join(bus, 2, 1, register=False)).run
+        await _register(bus, run, "w0", Role.RANK, 100)
+        await _register(bus, run, "w1", Role.RANK, 101)
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        event = failed("w1", 1)  # in the first step: the spare w2 is still warming up
+        await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
+        await watcher.wait_for(lambda: any(d.action is Action.HOLD for d in watcher.decisions))
+        hold = next(d for d in watcher.decisions if d.action is Action.HOLD)
+        assert "waiting up to 30s for spare(s) ['w2'] still starting" in hold.reason
+        assert len(watcher.plans) == 1  # no stop, no shrink
+        await _register(bus, run, "w2", Role.SPARE, 102)
+        await watcher.wait_for(lambda: len(watcher.plans) == 2)
+    assert watcher.plans[1].rank_of("w2") == 1 and watcher.plans[1].removed == ["w1"]
+    assert Action.STOP not in [d.action for d in watcher.decisions]
+
+
+async def test_a_spare_that_never_registers_is_waited_for_only_so_long(
+    nats_url: str, bus: Bus, watcher: Watcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PHALANX_PLANNER_SPARE_WAIT_S", "0.3")
+    async with planner(nats_url):
+        run = (await join(bus, 2, 1, register=False)).run
+        await _register(bus, run, "w0", Role.RANK, 100)
+        await _register(bus, run, "w1", Role.RANK, 101)
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        event = failed("w1", 1)
+        await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
+        await watcher.wait_for(lambda: any(d.action is Action.STOP for d in watcher.decisions))
+    assert [d.action for d in watcher.decisions if d.incident == event.incident] == [Action.HOLD, Action.STOP]
