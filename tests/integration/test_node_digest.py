@@ -8,7 +8,6 @@ counters show it has looked long enough), never after a bare sleep.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
@@ -16,8 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,21 +37,13 @@ from phalanx.schemas import (
     RankHung,
     decode,
 )
+from tests.integration.test_detector_service import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "workers" / "heartbeat_worker.py"
 JOB = "j1"
 INTERVAL = 0.1
 FAST = ServiceConfig.for_interval(INTERVAL, detector=DetectorConfig(stall_floor_s=0.6, stall_initial_s=0.6))
-WAIT = 20.0  # generous bound for an expected event; never reached when things work
-
-
-async def wait_until(pred: Callable[[], bool], timeout: float = WAIT, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 class Events:
