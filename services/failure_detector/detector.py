@@ -1150,25 +1150,31 @@ class Detector:
         elapsed = now - max(w.last_arrival, self._hold_until)
         return round(phi(elapsed, w.mean_s * (1.0 + self.config.pause_ratio), w.std_s), 2)
 
+    def _silence_evidence(self, b: _Beat, now: float) -> Evidence:
+        """What a silence verdict on a worker or a node reports about its heartbeats."""
+        self._fresh(b)
+        return {
+            "phi": self._phi_now(b, now),
+            "threshold": self.config.phi_threshold,
+            "elapsed_ms": round((now - b.last_arrival) * 1e3, 1),
+            "threshold_ms": round(b.threshold_s * 1e3, 1),
+            "mean_interval_ms": round(b.mean_s * 1e3, 2),
+            "std_interval_ms": round(b.std_s * 1e3, 2),
+            "samples": len(b.intervals),
+            "declared_interval_ms": round(b.declared_s * 1e3, 1),
+            "last_seq": b.last_seq,
+        }
+
     def _silence_verdict(self, w: _Worker, now: float) -> Incident:
         rank, generation = self._rank_of(w.job, w.worker, w)
-        self._fresh(w)
-        evidence: Evidence = {
-            "phi": self._phi_now(w, now),
-            "threshold": self.config.phi_threshold,
-            "elapsed_ms": round((now - w.last_arrival) * 1e3, 1),
-            "threshold_ms": round(w.threshold_s * 1e3, 1),
-            "slack_ms": round(w.slack_s * 1e3, 1),
-            "mean_interval_ms": round(w.mean_s * 1e3, 2),
-            "std_interval_ms": round(w.std_s * 1e3, 2),
-            "raw_std_interval_ms": round(w.intervals.std * 1e3, 2),
-            "samples": len(w.intervals),
-            "declared_interval_ms": round(w.declared_s * 1e3, 1),
-            "last_seq": w.last_seq,
-            "step": w.step,
-            "phase": w.phase.value,
-            "host": w.host,
-        }
+        evidence = self._silence_evidence(w, now)
+        evidence.update(
+            slack_ms=round(w.slack_s * 1e3, 1),
+            raw_std_interval_ms=round(w.intervals.std * 1e3, 2),
+            step=w.step,
+            phase=w.phase.value,
+            host=w.host,
+        )
         if w.node is not None:
             evidence["node"] = w.node[1]
         return self._verdict(
@@ -1191,20 +1197,8 @@ class Detector:
             if w is not None and w.pid == pid:
                 del self._tracked[w.key]
             self._close(incident_id(n.job, worker, pid), "node_lost")
-        evidence: Evidence = {
-            "phi": self._phi_now(n, now),
-            "threshold": self.config.phi_threshold,
-            "elapsed_ms": round((now - n.last_arrival) * 1e3, 1),
-            "threshold_ms": round(n.threshold_s * 1e3, 1),
-            "mean_interval_ms": round(n.mean_s * 1e3, 2),
-            "std_interval_ms": round(n.std_s * 1e3, 2),
-            "samples": len(n.intervals),
-            "declared_interval_ms": round(n.declared_s * 1e3, 1),
-            "last_seq": n.last_seq,
-            "launcher": n.launcher,
-            "host": n.host,
-            "workers": len(n.workers),
-        }
+        evidence = self._silence_evidence(n, now)
+        evidence.update(launcher=n.launcher, host=n.host, workers=len(n.workers))
         self._close(iid, FaultCause.HEARTBEAT_LOST.value)
         self.stats.incidents += 1
         self.stats.nodes_lost += 1
