@@ -1,15 +1,19 @@
 """State packing and transfer (phalanx.runtime.state): pack/unpack round trips, a
-model+AdamW hand-over, the CRC check, and send_state/recv_state over a real
-2-rank gloo communicator (ranks as threads over a loopback TCPStore)."""
+model+AdamW hand-over, the CRC check, send_state/recv_state over a real 2-rank
+gloo communicator (ranks as threads over a loopback TCPStore), and refusal of
+malformed metadata and headers before anything they size is allocated."""
 
 from __future__ import annotations
 
 import itertools
+import pickle
 import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,8 +28,8 @@ _prefixes = itertools.count()
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:
-    """Same structure and container types (any dict for a dict: pack makes an OrderedDict
-    a plain dict), tensors bitwise equal with the same dtype and shape."""
+    """Same structure and container types (any dict for a dict), tensors bitwise equal
+    with the same dtype and shape."""
     if not (isinstance(a, dict) and isinstance(b, dict)):
         assert type(a) is type(b), (path, type(a), type(b))
     if isinstance(a, torch.Tensor):
@@ -272,9 +276,8 @@ def test_recv_state_rejects_a_corrupted_payload(store: dist.TCPStore) -> None:
 
     def rank(comm: Communicator) -> Any:
         if comm.rank == 0:
-            comm.send(
-                torch.tensor([len(meta), buf.numel(), crc], dtype=torch.int64), 1, state_mod._TAG_HEADER
-            )
+            header = state_mod._encode_header(len(meta), buf.numel(), zlib.crc32(meta), crc)
+            comm.send(header, 1, state_mod._TAG_HEADER)
             comm.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), 1, state_mod._TAG_META)
             comm.send(bad, 1, state_mod._TAG_BUF)
             return None
@@ -283,3 +286,426 @@ def test_recv_state_rejects_a_corrupted_payload(store: dist.TCPStore) -> None:
     res = run_pair(store, rank)
     assert res[0] is None
     assert isinstance(res[1], StateTransferError), res[1]
+
+
+# -- what real training state holds, kept exactly ------------------------------------------------
+
+
+def assert_identical(a: Any, b: Any, path: str = "") -> None:
+    """Like :func:`assert_same` but container types must match exactly (an OrderedDict
+    stays one, with the same ``_metadata``; a tuple stays a tuple; int keys stay ints)."""
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        assert [type(k) for k in a] == [type(k) for k in b], path
+        for k in a:
+            assert_identical(a[k], b[k], f"{path}.{k}")
+        if hasattr(a, "_metadata"):
+            assert_identical(a._metadata, b._metadata, f"{path}._metadata")
+        else:
+            assert not hasattr(b, "_metadata"), path
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_identical(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert b != b, path
+    else:
+        assert a == b, (path, a, b)
+
+
+def trainer_state(opt_cls: type[torch.optim.Optimizer] = torch.optim.AdamW) -> dict[str, Any]:
+    """What Trainer.state_dict sends: step, model, optimizer, RNG, data position."""
+    from phalanx.runtime.data import DataPosition
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.LayerNorm(8), nn.Linear(8, 3))
+    opt = (
+        _adamw(model)
+        if opt_cls is torch.optim.AdamW
+        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    )
+    _step(model, opt, seed=1)
+    return {
+        "step": 1,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "gen": torch.Generator().manual_seed(5).get_state()},
+        "data": DataPosition(1, 32, 2**63 - 1).to_dict(),
+    }
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_trainer_state_round_trips_exactly(opt_cls: type[torch.optim.Optimizer]) -> None:
+    sent = trainer_state(opt_cls)
+    meta, buf = pack(sent)
+    got = unpack(meta, buf)
+    assert_identical(got, sent)
+    assert type(got["model"]) is OrderedDict and got["model"]._metadata == sent["model"]._metadata
+    assert all(type(k) is int for k in got["optimizer"]["state"])
+    if opt_cls is torch.optim.AdamW:
+        assert got["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.95)
+        assert type(got["optimizer"]["param_groups"][0]["betas"]) is tuple
+    torch.set_rng_state(got["rng"]["torch"].clone())
+    assert torch.equal(torch.get_rng_state(), sent["rng"]["torch"])
+
+
+def test_unpack_returns_views_into_the_buffer() -> None:
+    meta, buf = pack({"a": torch.ones(3, dtype=torch.bool), "w": torch.arange(5.0)})
+    got = unpack(meta, buf)
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    assert all(lo <= t.data_ptr() < hi and t.data_ptr() % 16 == 0 for t in got.values())
+
+
+def test_unpack_from_an_unaligned_buffer() -> None:
+    meta, buf = pack({"w": torch.arange(5.0), "i": torch.arange(3)})
+    shifted = torch.zeros(buf.numel() + 1, dtype=torch.uint8)
+    shifted[1:] = buf
+    assert_identical(unpack(meta, shifted[1:]), unpack(meta, buf))
+
+
+def test_dtype_device_size_and_scalars_round_trip() -> None:
+    sent = {
+        "dtype": torch.bfloat16,
+        "device": torch.device("cpu"),
+        "size": torch.Size([2, 3]),
+        "scalars": [None, True, -(2**63), 2**64 - 1, float("nan"), -0.0, "é", b"\x00\xff"],
+        "int_keys": {3: "a", -1: "b", "k": 0},
+        "nested": ((), [()], {}),
+    }
+    meta, buf = pack(sent)
+    got = unpack(meta, buf)
+    assert_identical(got, sent)
+    assert type(got["size"]) is torch.Size
+
+
+class _Thing:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("obj", "where"),
+    [
+        ({"optimizer": {"state": {3: {"step": _Thing()}}}}, "optimizer.state.3.step"),
+        ({"a": [1, {2}]}, "a.1"),
+        ({"a": {(1, 2): 0}}, "'a'"),
+        ({"big": 2**64}, "big"),
+        ({"np": [__import__("numpy").int64(3)]}, "np.0"),
+        ({"f": lambda: 0}, "f"),
+        ({"q": torch.zeros(2).to_sparse()}, "q"),
+        ({"c": torch.zeros(2, dtype=torch.bits8)}, "c"),
+    ],
+)
+def test_pack_refuses_what_it_cannot_represent(obj: Any, where: str) -> None:
+    with pytest.raises(TypeError, match=f"cannot pack .*{where}"):
+        pack(obj)
+
+
+def test_pack_refuses_excessive_depth_and_cycles() -> None:
+    deep: list[Any] = []
+    for _ in range(state_mod.MAX_DEPTH + 1):
+        deep = [deep]
+    with pytest.raises(StateTransferError, match="deeper"):
+        pack(deep)
+    cyc: list[Any] = []
+    cyc.append(cyc)
+    with pytest.raises(StateTransferError, match="deeper"):
+        pack({"x": cyc})
+
+
+# -- unpack refuses malformed metadata -----------------------------------------------------------
+
+
+def tampered(change: Callable[[dict[str, Any]], Any]) -> tuple[bytes, torch.Tensor]:
+    """A valid packed state whose decoded metadata ``change`` edits in place."""
+    meta, buf = pack({"a": torch.arange(6, dtype=torch.int64).reshape(2, 3), "b": torch.ones(3)})
+    doc = msgpack.unpackb(meta)
+    change(doc)
+    return msgpack.packb(doc, use_bin_type=True), buf
+
+
+def _set(doc: dict[str, Any], table_i: int, field: int, value: Any) -> None:
+    doc["tensors"][table_i][field] = value
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda d: d.update(v=2), "unsupported state format version 2"),
+        (lambda d: d.update(extra=1), "not a state description"),
+        (lambda d: _set(d, 0, 0, "object"), "dtype 'object' is not allowed"),
+        (lambda d: _set(d, 0, 0, "qint8"), "dtype 'qint8' is not allowed"),
+        (lambda d: _set(d, 0, 1, [2, 4]), "needs 64"),
+        (lambda d: _set(d, 0, 1, [-2, -3]), "bad shape"),
+        (lambda d: _set(d, 0, 3, 40), "40 bytes for shape"),
+        (lambda d: _set(d, 1, 2, 1 << 40), "outside the 64-byte buffer"),
+        (lambda d: _set(d, 1, 3, 1 << 40), "outside the 64-byte buffer"),
+        (lambda d: _set(d, 1, 2, -16), "bad span"),
+        (lambda d: _set(d, 1, 3, -4), "bad span"),
+        (lambda d: _set(d, 1, 2, 50), "not 16-byte aligned"),
+        (lambda d: _set(d, 1, 2, 0), "expected 48"),
+        (lambda d: d["tensors"].pop(), "tensors end at byte 48"),
+        (lambda d: _set(d, 0, 2, True), "bad span"),
+        (lambda d: d["tree"][2].__setitem__(1, ["tensor", 2]), "no tensor 2 among 2"),
+        (lambda d: d["tree"][2].__setitem__(1, ["tensor", -1]), "no tensor -1"),
+        (lambda d: d["tree"][2].__setitem__(1, ["pickle", "x"]), "unknown state node tag"),
+        (lambda d: d["tree"][2].__setitem__(1, {"a": 1}), "malformed state node at 'b'"),
+        (lambda d: d["tree"][2].__setitem__(1, ["dtype", "object"]), "dtype not allowed"),
+        (lambda d: d["tree"][2].__setitem__(1, ["device", "nowhere:7"]), "unknown device"),
+        (lambda d: d["tree"].__setitem__(1, ["a", "a"]), "duplicate key 'a'"),
+        (lambda d: d["tree"].__setitem__(1, [["a"], "b"]), "key of type list"),
+        (lambda d: d["tree"].__setitem__(1, ["a"]), "1 keys for 2 values"),
+    ],
+)
+def test_unpack_refuses_malformed_metadata(change: Callable[[dict[str, Any]], Any], match: str) -> None:
+    meta, buf = tampered(change)
+    with pytest.raises(StateTransferError, match=match):
+        unpack(meta, buf)
+
+
+def test_unpack_refuses_excessive_depth() -> None:
+    node: Any = 1
+    for _ in range(state_mod.MAX_DEPTH + 1):
+        node = ["list", [node]]
+    meta = msgpack.packb({"v": 1, "size": 0, "tensors": [], "tree": node})
+    with pytest.raises(StateTransferError, match="deeper than"):
+        unpack(meta, torch.empty(0, dtype=torch.uint8))
+
+
+def test_unpack_refuses_too_many_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    meta, buf = pack([torch.ones(1)] * 3)
+    monkeypatch.setattr(state_mod, "MAX_TENSORS", 2)
+    with pytest.raises(StateTransferError, match="at most 2"):
+        unpack(meta, buf)
+    with pytest.raises(StateTransferError, match="more than 2 tensors"):
+        pack([torch.ones(1)] * 3)
+
+
+def test_unpack_refuses_oversize_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    meta, buf = pack({"w": torch.ones(2), "names": ["x" * 100] * 10})
+    monkeypatch.setattr(state_mod, "MAX_META_BYTES", len(meta) - 1)
+    with pytest.raises(StateTransferError, match="over"):
+        unpack(meta, buf)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        pickle.dumps({"v": 1, "size": 0, "tensors": [], "tree": None}),
+        pickle.dumps((None, [], 0), protocol=2),
+        b"",
+        b"\xc1",
+        msgpack.packb([1, 2]),
+        msgpack.packb({"v": 1, "size": 0, "tensors": [], "tree": msgpack.ExtType(5, b"x")}),
+    ],
+)
+def test_unpack_refuses_non_msgpack_or_foreign_metadata(meta: bytes) -> None:
+    with pytest.raises(StateTransferError, match=r"msgpack|not a state description"):
+        unpack(meta, torch.empty(0, dtype=torch.uint8))
+
+
+# -- the header: checked before anything it sizes is allocated -----------------------------------
+
+
+def header_bytes(**kw: Any) -> bytes:
+    fields = {"magic": b"PHXS", "version": 1, "flags": 0, "meta_len": 10, "buf_len": 32, "mcrc": 0, "bcrc": 0}
+    fields.update(kw)
+    return state_mod._HEADER.pack(*fields.values())
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"magic": b"\x80\x05\x95\x00"}, "not a state header"),
+        ({"version": 2}, "unsupported state format version 2"),
+        ({"flags": 1}, "flags"),
+        ({"meta_len": (64 << 20) + 1}, "metadata length 67108865"),
+        ({"meta_len": 0}, "metadata length 0"),
+        ({"meta_len": -1}, "metadata length -1"),
+        ({"buf_len": 4096 + 16}, "buffer length 4112 .* outside \\[0, 4096\\]"),
+        ({"buf_len": 1 << 62}, "buffer length"),
+        ({"buf_len": -16}, "buffer length -16"),
+        ({"buf_len": 33}, "not a multiple of 16"),
+    ],
+)
+def test_parse_header_refuses(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(StateTransferError, match=match):
+        state_mod._parse_header(header_bytes(**kw), 4096, src=0)
+
+
+def test_parse_header_accepts_a_good_one_and_the_wire_size_is_fixed() -> None:
+    assert state_mod._HEADER.size == 32
+    assert state_mod._parse_header(header_bytes(), 4096, src=0) == (10, 32, 0, 0)
+
+
+def test_buffer_limit_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(state_mod.MAX_BUFFER_BYTES_ENV, raising=False)
+    assert state_mod.max_buffer_bytes() == 64 << 30
+    monkeypatch.setenv(state_mod.MAX_BUFFER_BYTES_ENV, "1024")
+    assert state_mod.max_buffer_bytes() == 1024
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv(state_mod.MAX_BUFFER_BYTES_ENV, bad)
+        with pytest.raises(ValueError, match=state_mod.MAX_BUFFER_BYTES_ENV):
+            state_mod.max_buffer_bytes()
+
+
+class FakeComm:
+    """Plays back queued messages and records each recv's tag and size."""
+
+    def __init__(self, messages: list[bytes]) -> None:
+        self.messages = list(messages)
+        self.recvs: list[tuple[int, int]] = []
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> None:
+        self.recvs.append((tag, t.numel()))
+        data = self.messages.pop(0)
+        assert len(data) == t.numel()
+        t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else t)
+
+
+@pytest.fixture
+def allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Byte sizes of every torch.empty / torch.zeros call while the test runs."""
+    sizes: list[int] = []
+    for name in ("empty", "zeros"):
+        real = getattr(torch, name)
+
+        def spy(*args: Any, _real: Any = real, **kw: Any) -> torch.Tensor:
+            t = _real(*args, **kw)
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        monkeypatch.setattr(torch, name, spy)
+    return sizes
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"buf_len": 1 << 62}, {"buf_len": -16}, {"meta_len": 1 << 40}, {"meta_len": -1}, {"magic": b"XXXX"}],
+)
+def test_recv_state_refuses_a_bad_header_before_allocating(
+    kw: dict[str, Any], allocations: list[int]
+) -> None:
+    comm = FakeComm([header_bytes(**kw)])
+    with pytest.raises(StateTransferError):
+        recv_state(comm, src=0)  # type: ignore[arg-type]
+    assert comm.recvs == [(state_mod._TAG_HEADER, 32)]
+    assert allocations == [32]
+
+
+def test_recv_state_honours_max_bytes(allocations: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    meta, buf = pack({"w": torch.ones(64)})
+    allocations.clear()
+    wire = [bytes(state_mod._encode_header(len(meta), buf.numel(), zlib.crc32(meta), checksum(buf)).tolist())]
+    with pytest.raises(StateTransferError, match="outside \\[0, 255\\]"):
+        recv_state(FakeComm(wire), src=0, max_bytes=255)  # type: ignore[arg-type]
+    monkeypatch.setenv(state_mod.MAX_BUFFER_BYTES_ENV, "255")
+    with pytest.raises(StateTransferError, match=state_mod.MAX_BUFFER_BYTES_ENV):
+        recv_state(FakeComm(wire), src=0)  # type: ignore[arg-type]
+    assert allocations == [32, 32]
+    got, n = recv_state(FakeComm([*wire, meta, bytes(buf.tolist())]), src=0, max_bytes=256)  # type: ignore[arg-type]
+    assert n == 256 and torch.equal(got["w"], torch.ones(64))
+
+
+def test_recv_state_checks_metadata_before_allocating_the_buffer(allocations: list[int]) -> None:
+    """A header promising a big buffer, with metadata that does not describe it: the
+    metadata is read (its size is bounded) and refused; the buffer is never allocated."""
+    meta, _ = pack({"w": torch.ones(4)})
+    allocations.clear()
+    big = 1 << 36
+    comm = FakeComm([header_bytes(meta_len=len(meta), buf_len=big, mcrc=zlib.crc32(meta)), meta])
+    with pytest.raises(StateTransferError, match=f"buffer holds {big} bytes"):
+        recv_state(comm, src=0)  # type: ignore[arg-type]
+    assert comm.recvs == [(state_mod._TAG_HEADER, 32), (state_mod._TAG_META, len(meta))]
+    assert allocations == [32, len(meta)]
+
+
+def test_recv_state_refuses_corrupted_metadata(allocations: list[int]) -> None:
+    meta, buf = pack({"w": torch.ones(4)})
+    bad = bytearray(meta)
+    bad[-1] ^= 0x01
+    allocations.clear()
+    head = header_bytes(meta_len=len(meta), buf_len=buf.numel(), mcrc=zlib.crc32(meta), bcrc=checksum(buf))
+    comm = FakeComm([head, bytes(bad)])
+    with pytest.raises(StateTransferError, match="metadata checksum mismatch from rank 0"):
+        recv_state(comm, src=0)  # type: ignore[arg-type]
+    assert allocations == [32, len(meta)]
+
+
+# -- malformed input over a real gloo communicator -----------------------------------------------
+
+
+def test_send_recv_trainer_state_over_gloo(store: dist.TCPStore) -> None:
+    sent = trainer_state()
+    meta, buf = pack(sent)
+
+    def rank(comm: Communicator) -> Any:
+        if comm.rank == 0:
+            return send_state(comm, meta, buf, checksum(buf), dst=1)
+        return recv_state(comm, src=0)
+
+    res = run_pair(store, rank)
+    assert res[0] is None
+    got, nbytes = res[1]
+    assert nbytes == buf.numel()
+    assert_identical(got, sent)
+
+
+@pytest.mark.parametrize(
+    "kw", [{"buf_len": 1 << 62}, {"buf_len": -16}, {"meta_len": 1 << 40}, {"magic": b"\x80\x05\x95\x00"}]
+)
+def test_recv_state_over_gloo_refuses_a_malformed_header_before_allocating(
+    store: dist.TCPStore, kw: dict[str, Any], allocations: list[int]
+) -> None:
+    received: list[int] = []
+
+    def rank(comm: Communicator) -> Any:
+        if comm.rank == 0:
+            comm.send(
+                torch.frombuffer(bytearray(header_bytes(**kw)), dtype=torch.uint8), 1, state_mod._TAG_HEADER
+            )
+            return None
+        real_recv = comm.recv
+
+        def recv(t: torch.Tensor, src: int, tag: int = 0) -> None:
+            received.append(tag)
+            real_recv(t, src, tag)
+
+        comm.recv = recv  # type: ignore[method-assign]
+        return recv_state(comm, src=0)
+
+    res = run_pair(store, rank)
+    assert res[0] is None
+    assert isinstance(res[1], StateTransferError), res[1]
+    assert received == [state_mod._TAG_HEADER]
+    assert max(allocations, default=0) < 1 << 20, allocations
+
+
+def test_recv_state_over_gloo_refuses_a_pickle_payload(store: dist.TCPStore) -> None:
+    """Header and CRC are right, but the metadata is a pickle: refused, never loaded, and
+    the buffer it announces is never received."""
+    evil = pickle.dumps((None, [], 16))
+    head = header_bytes(meta_len=len(evil), buf_len=16, mcrc=zlib.crc32(evil))
+    received: list[int] = []
+
+    def rank(comm: Communicator) -> Any:
+        if comm.rank == 0:
+            comm.send(torch.frombuffer(bytearray(head), dtype=torch.uint8), 1, state_mod._TAG_HEADER)
+            comm.send(torch.frombuffer(bytearray(evil), dtype=torch.uint8), 1, state_mod._TAG_META)
+            return None
+        real_recv = comm.recv
+
+        def recv(t: torch.Tensor, src: int, tag: int = 0) -> None:
+            received.append(tag)
+            real_recv(t, src, tag)
+
+        comm.recv = recv  # type: ignore[method-assign]
+        return recv_state(comm, src=0)
+
+    res = run_pair(store, rank)
+    assert res[0] is None
+    assert isinstance(res[1], StateTransferError) and "msgpack" in str(res[1]), res[1]
+    assert received == [state_mod._TAG_HEADER, state_mod._TAG_META]

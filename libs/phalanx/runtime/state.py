@@ -1,10 +1,32 @@
 """Moving training state between ranks over the data plane, never through NATS.
 
-:func:`pack` turns any nest of dicts/lists/tuples holding tensors (a model's
-and an optimizer's ``state_dict``, RNG states, the data position) into one
-contiguous byte buffer plus a small structure description; :func:`unpack`
-reverses it. :func:`send_state` / :func:`recv_state` move a packed state over a
-generation's communicator with a CRC32 checked on arrival.
+:func:`pack` turns a nest of containers holding tensors (a model's and an
+optimizer's ``state_dict``, RNG states, the data position) into one contiguous
+byte buffer plus a small msgpack description; :func:`unpack` reverses it, the
+tensors coming back as zero-copy views into the buffer. :func:`send_state` /
+:func:`recv_state` move a packed state over a generation's communicator.
+
+Nothing a peer sends is unpickled, and nothing is allocated from a size that
+has not been checked. On the wire a state is three messages:
+
+* a 32-byte header: magic ``PHXS``, format version, flags (0), metadata length
+  (1 to 64 MiB), buffer length (0 to ``PHALANX_STATE_MAX_BYTES``, 64 GiB by
+  default, a multiple of 16), CRC32 of the metadata, CRC32 of the buffer;
+* the metadata, a msgpack map ``{"v": 1, "size": buffer bytes, "tensors":
+  [[dtype name, shape, offset, nbytes], ...], "tree": node}``. Tensors lie in
+  table order, each on a 16-byte boundary; dtypes come from a fixed allow-list.
+  A tree node is None, a bool, int, float, str or bytes, or a tagged list:
+  ``["list", items]``, ``["tuple", items]``, ``["dict", keys, values]``,
+  ``["odict", keys, values, _metadata node or None]``, ``["tensor", index]``,
+  ``["dtype", name]``, ``["size", dims]`` or ``["device", name]``; dict keys
+  are str or int;
+* the buffer.
+
+The receiver checks the header before it allocates the metadata, and the whole
+metadata (every span inside the buffer and matching its dtype and shape, depth,
+counts, references) before it allocates the buffer. Any violation is a
+:class:`StateTransferError`; :func:`pack` refuses a value it cannot represent
+with a ``TypeError`` naming where it sits (``optimizer.state.3.step``).
 
 >>> meta, buf = pack({"w": torch.ones(2), "step": 7})
 >>> unpack(meta, buf)["step"]
@@ -13,113 +35,429 @@ generation's communicator with a CRC32 checked on arrival.
 
 from __future__ import annotations
 
-import pickle
+import math
+import os
+import struct
 import zlib
-from typing import Any
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
+import msgpack
 import torch
 
 from phalanx.runtime.comm import Communicator
 
+__all__ = [
+    "MAX_BUFFER_BYTES_ENV",
+    "MAX_DEPTH",
+    "MAX_META_BYTES",
+    "MAX_TENSORS",
+    "StateTransferError",
+    "checksum",
+    "max_buffer_bytes",
+    "pack",
+    "recv_state",
+    "send_state",
+    "unpack",
+]
+
 _TAG_HEADER, _TAG_META, _TAG_BUF = 101, 102, 103
 _ALIGN = 16
+_MAGIC = b"PHXS"
+_VERSION = 1
+# magic, version, flags, meta length, buffer length, meta CRC32, buffer CRC32 (little-endian)
+_HEADER = struct.Struct("<4sHHqqII")
+
+MAX_META_BYTES = 64 << 20
+MAX_BUFFER_BYTES_ENV = "PHALANX_STATE_MAX_BYTES"
+DEFAULT_MAX_BUFFER_BYTES = 64 << 30
+MAX_TENSORS = 1 << 20
+MAX_DEPTH = 64
+_MAX_DIMS = 64
+_MAX_DEVICE_NAME = 64
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: dt
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if isinstance(dt := getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
 
 
 class StateTransferError(RuntimeError):
     """State arrived corrupted or malformed; the receiver must not use it."""
 
 
-class _TensorRef:
-    __slots__ = ("dtype", "index", "shape")
+def max_buffer_bytes() -> int:
+    """The largest state buffer :func:`recv_state` accepts: ``PHALANX_STATE_MAX_BYTES``,
+    else 64 GiB."""
+    raw = os.environ.get(MAX_BUFFER_BYTES_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_MAX_BUFFER_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{MAX_BUFFER_BYTES_ENV} must be a non-negative byte count, got {raw!r}")
+    return value
 
-    def __init__(self, index: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self.index, self.dtype, self.shape = index, dtype, shape
+
+def _at(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
 
 
-def _same_mapping(like: dict[Any, Any], items: dict[Any, Any]) -> dict[Any, Any]:
-    """A mapping of ``like``'s type (an OrderedDict stays one) keeping its
-    ``_metadata``, which ``load_state_dict`` reads for module versions."""
-    out = type(like)(items) if type(like) is not dict else items
-    meta = getattr(like, "_metadata", None)
-    if meta is not None:
-        out._metadata = meta  # type: ignore[attr-defined]
-    return out
+def _where(path: str) -> str:
+    return f"at {path!r}" if path else "at the top level"
+
+
+# -- pack ----------------------------------------------------------------------------------------
 
 
 def pack(obj: Any) -> tuple[bytes, torch.Tensor]:
+    """``obj`` as (msgpack metadata, one aligned uint8 buffer holding every tensor)."""
     tensors: list[torch.Tensor] = []
 
-    def walk(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
-            t = o.detach().cpu().contiguous()
-            tensors.append(t)
-            return _TensorRef(len(tensors) - 1, t.dtype, tuple(t.shape))
-        if isinstance(o, dict):
-            return _same_mapping(o, {k: walk(v) for k, v in o.items()})
-        if isinstance(o, list):
-            return [walk(v) for v in o]
-        if isinstance(o, tuple):
-            return tuple(walk(v) for v in o)
-        return o
+    def refuse(path: str, what: str) -> TypeError:
+        return TypeError(f"cannot pack {what} {_where(path)}")
 
-    skeleton = walk(obj)
+    def key(k: Any, path: str) -> str | int:
+        if type(k) is str:
+            return text(k, path)
+        if type(k) is int and _INT_MIN <= k <= _INT_MAX:
+            return k
+        raise refuse(path, f"dict key {k!r} of type {type(k).__name__} (keys are str or int)")
+
+    def text(s: str, path: str) -> str:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise refuse(path, "a str that is not valid UTF-8") from None
+        return s
+
+    def walk(o: Any, path: str, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise StateTransferError(f"state nested deeper than {MAX_DEPTH} levels {_where(path)}")
+        t = type(o)
+        if o is None or t is bool or t is float or t is bytes:
+            return o
+        if t is str:
+            return text(o, path)
+        if t is int:
+            if not _INT_MIN <= o <= _INT_MAX:
+                raise refuse(path, f"int {o} (outside [-2**63, 2**64))")
+            return o
+        if isinstance(o, torch.Tensor):
+            name = _DTYPE_NAMES.get(o.dtype)
+            if name is None:
+                raise refuse(path, f"a tensor of dtype {o.dtype}")
+            if o.layout is not torch.strided or o.device.type == "meta":
+                raise refuse(path, f"a {o.layout} tensor on {o.device}")
+            if len(tensors) >= MAX_TENSORS:
+                raise StateTransferError(f"state holds more than {MAX_TENSORS} tensors")
+            tensors.append(o.detach().cpu().resolve_conj().resolve_neg().contiguous())
+            return ["tensor", len(tensors) - 1]
+        if t is torch.Size:
+            return ["size", list(o)]
+        if t is list or t is tuple:
+            items = [walk(v, _at(path, i), depth + 1) for i, v in enumerate(o)]
+            return ["list" if t is list else "tuple", items]
+        if t is dict or t is OrderedDict:
+            keys = [key(k, path) for k in o]
+            values = [walk(v, _at(path, k), depth + 1) for k, v in o.items()]
+            if t is dict:
+                return ["dict", keys, values]
+            md = getattr(o, "_metadata", None)
+            md_node = None if md is None else walk(md, _at(path, "_metadata"), depth + 1)
+            return ["odict", keys, values, md_node]
+        if t is torch.dtype:
+            if o not in _DTYPE_NAMES:
+                raise refuse(path, f"dtype {o}")
+            return ["dtype", _DTYPE_NAMES[o]]
+        if t is torch.device:
+            return ["device", str(o)]
+        raise refuse(path, f"a value of type {t.__module__}.{t.__qualname__}")
+
+    tree = walk(obj, "", 0)
     flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
     # Each tensor starts on a 16-byte boundary so that unpack can view it in place
     # as its dtype whatever came before it (an odd-sized uint8 tensor, say).
+    table: list[list[Any]] = []
     offsets, end = [], 0
-    for f in flat:
+    for t, f in zip(tensors, flat, strict=True):
+        table.append([_DTYPE_NAMES[t.dtype], list(t.shape), end, f.numel()])
         offsets.append(end)
-        end += (f.numel() + _ALIGN - 1) // _ALIGN * _ALIGN
+        end += _aligned(f.numel())
     buf = torch.zeros(end, dtype=torch.uint8)
     for off, f in zip(offsets, flat, strict=True):
         buf[off : off + f.numel()] = f
-    spans = [(off, f.numel()) for off, f in zip(offsets, flat, strict=True)]
-    return pickle.dumps((skeleton, spans, end), protocol=pickle.HIGHEST_PROTOCOL), buf
+    meta = msgpack.packb({"v": _VERSION, "size": end, "tensors": table, "tree": tree}, use_bin_type=True)
+    if len(meta) > MAX_META_BYTES:
+        raise StateTransferError(f"state metadata is {len(meta)} bytes, over {MAX_META_BYTES}")
+    return meta, buf
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+# -- unpack: check everything, then build ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Span:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _Layout:
+    spans: list[_Span]
+    tree: Any
+
+
+def _is_int(x: object) -> bool:
+    return type(x) is int
+
+
+def _read_meta(meta: bytes, size: int) -> _Layout:
+    """Parse and check metadata describing a ``size``-byte buffer; allocates no tensor."""
+    if len(meta) > MAX_META_BYTES:
+        raise StateTransferError(f"state metadata is {len(meta)} bytes, over {MAX_META_BYTES}")
+    try:
+        doc = msgpack.unpackb(
+            meta,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_map_len=16,
+            max_ext_len=0,
+        )
+    except Exception as exc:
+        raise StateTransferError(f"state metadata is not valid msgpack: {exc!r}"[:300]) from None
+    if type(doc) is not dict or set(doc) != {"v", "size", "tensors", "tree"}:
+        raise StateTransferError("state metadata is not a state description")
+    if not _is_int(doc["v"]) or doc["v"] != _VERSION:
+        raise StateTransferError(
+            f"unsupported state format version {doc['v']!r} (this side reads {_VERSION})"
+        )
+    declared = doc["size"]
+    if not _is_int(declared) or declared < 0:
+        raise StateTransferError(f"bad buffer size {declared!r} in state metadata")
+    if declared != size:
+        raise StateTransferError(f"buffer holds {size} bytes, structure needs {declared}")
+    table = doc["tensors"]
+    if type(table) is not list or len(table) > MAX_TENSORS:
+        raise StateTransferError(f"state tensor table is not a list of at most {MAX_TENSORS} entries")
+    spans, end = [], 0
+    for i, entry in enumerate(table):
+        spans.append(_check_span(i, entry, size, end))
+        end = spans[-1].offset + _aligned(spans[-1].nbytes)
+    if end != size:
+        raise StateTransferError(f"tensors end at byte {end}, the buffer holds {size}")
+    _decode(doc["tree"], None, len(spans), "", 0)  # check the whole tree before building anything
+    return _Layout(spans, doc["tree"])
+
+
+def _check_span(i: int, entry: Any, size: int, expected: int) -> _Span:
+    if type(entry) is not list or len(entry) != 4:
+        raise StateTransferError(f"tensor {i}: entry is not [dtype, shape, offset, nbytes]")
+    name, shape, off, nbytes = entry
+    dtype = _DTYPES.get(name) if type(name) is str else None
+    if dtype is None:
+        raise StateTransferError(f"tensor {i}: dtype {name!r} is not allowed")
+    if type(shape) is not list or len(shape) > _MAX_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+        raise StateTransferError(f"tensor {i}: bad shape {shape!r}"[:200])
+    if not (_is_int(off) and _is_int(nbytes)) or off < 0 or nbytes < 0:
+        raise StateTransferError(f"tensor {i}: bad span offset={off!r} nbytes={nbytes!r}")
+    if off % _ALIGN:
+        raise StateTransferError(f"tensor {i}: offset {off} is not {_ALIGN}-byte aligned")
+    if off + nbytes > size:
+        raise StateTransferError(
+            f"tensor {i}: bytes [{off}, {off + nbytes}) lie outside the {size}-byte buffer"
+        )
+    want = math.prod(shape) * dtype.itemsize
+    if nbytes != want:
+        raise StateTransferError(f"tensor {i}: {nbytes} bytes for shape {tuple(shape)} {name} (needs {want})")
+    if off != expected:
+        raise StateTransferError(f"tensor {i}: offset {off}, expected {expected} (tensors lie in order)")
+    return _Span(dtype, tuple(shape), off, nbytes)
+
+
+def _decode(node: Any, views: list[torch.Tensor] | None, ntensors: int, path: str, depth: int) -> Any:
+    """One tree node as a value; with ``views`` None it only checks (tensors come back None)."""
+    if depth > MAX_DEPTH:
+        raise StateTransferError(f"state nested deeper than {MAX_DEPTH} levels {_where(path)}")
+    t = type(node)
+    if node is None or t is bool or t is int or t is float or t is str or t is bytes:
+        return node
+    if t is not list or not node or type(node[0]) is not str:
+        raise StateTransferError(f"malformed state node {_where(path)}")
+    tag, args = node[0], node[1:]
+
+    def bad(what: str) -> StateTransferError:
+        return StateTransferError(f"malformed {tag!r} node {_where(path)}: {what}")
+
+    if tag in ("list", "tuple"):
+        if len(args) != 1 or type(args[0]) is not list:
+            raise bad("expected [tag, items]")
+        items = [_decode(v, views, ntensors, _at(path, i), depth + 1) for i, v in enumerate(args[0])]
+        return items if tag == "list" else tuple(items)
+    if tag in ("dict", "odict"):
+        if len(args) != (2 if tag == "dict" else 3) or type(args[0]) is not list or type(args[1]) is not list:
+            raise bad("expected [tag, keys, values" + ("]" if tag == "dict" else ", metadata]"))
+        keys, values = args[0], args[1]
+        if len(keys) != len(values):
+            raise bad(f"{len(keys)} keys for {len(values)} values")
+        out: dict[Any, Any] = {} if tag == "dict" else OrderedDict()
+        for k, v in zip(keys, values, strict=True):
+            if type(k) is not str and type(k) is not int:
+                raise bad(f"key of type {type(k).__name__}")
+            if k in out:
+                raise bad(f"duplicate key {k!r}"[:200])
+            out[k] = _decode(v, views, ntensors, _at(path, k), depth + 1)
+        if tag == "odict" and args[2] is not None:
+            md = _decode(args[2], views, ntensors, _at(path, "_metadata"), depth + 1)
+            if not isinstance(md, dict):
+                raise bad("_metadata is not a mapping")
+            out._metadata = md  # type: ignore[attr-defined]
+        return out
+    if tag == "tensor":
+        if len(args) != 1 or not _is_int(args[0]) or not 0 <= args[0] < ntensors:
+            raise bad(f"no tensor {args[0] if len(args) == 1 else args!r} among {ntensors}"[:200])
+        return None if views is None else views[args[0]]
+    if tag == "dtype":
+        if len(args) != 1 or type(args[0]) is not str or args[0] not in _DTYPES:
+            raise bad("dtype not allowed")
+        return _DTYPES[args[0]]
+    if tag == "size":
+        dims = args[0] if len(args) == 1 else None
+        if type(dims) is not list or len(dims) > _MAX_DIMS or not all(_is_int(d) and d >= 0 for d in dims):
+            raise bad("bad dims")
+        return torch.Size(dims)
+    if tag == "device":
+        name = args[0] if len(args) == 1 else None
+        if type(name) is not str or len(name) > _MAX_DEVICE_NAME:
+            raise bad("bad device name")
+        try:
+            return torch.device(name)
+        except (RuntimeError, ValueError):
+            raise bad(f"unknown device {name!r}") from None
+    raise StateTransferError(f"unknown state node tag {tag!r}"[:200] + f" {_where(path)}")
+
+
+def _build(layout: _Layout, buf: torch.Tensor) -> Any:
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu" or not buf.is_contiguous():
+        raise StateTransferError(f"state buffer must be a contiguous 1-D CPU uint8 tensor, got {buf.dtype}")
+    if buf.storage_offset() % _ALIGN or buf.data_ptr() % _ALIGN:
+        buf = buf.clone()  # views need each tensor aligned to its element size
+    views = [buf[s.offset : s.offset + s.nbytes].view(s.dtype).reshape(s.shape) for s in layout.spans]
+    return _decode(layout.tree, views, len(views), "", 0)
 
 
 def unpack(meta: bytes, buf: torch.Tensor) -> Any:
-    skeleton, spans, total = pickle.loads(meta)
-    if total != buf.numel():
-        raise StateTransferError(f"buffer holds {buf.numel()} bytes, structure needs {total}")
-
-    def walk(o: Any) -> Any:
-        if isinstance(o, _TensorRef):
-            off, n = spans[o.index]
-            return buf[off : off + n].view(o.dtype).reshape(o.shape)
-        if isinstance(o, dict):
-            return _same_mapping(o, {k: walk(v) for k, v in o.items()})
-        if isinstance(o, list):
-            return [walk(v) for v in o]
-        if isinstance(o, tuple):
-            return tuple(walk(v) for v in o)
-        return o
-
-    return walk(skeleton)
+    """The object :func:`pack` was given; its tensors are views into ``buf``."""
+    return _build(_read_meta(meta, buf.numel()), buf)
 
 
 def checksum(buf: torch.Tensor) -> int:
     return zlib.crc32(buf.numpy().data)
 
 
+# -- over a communicator ------------------------------------------------------------------------
+
+
+class _Header(NamedTuple):
+    meta_len: int
+    buf_len: int
+    meta_crc: int
+    buf_crc: int
+
+
+def _encode_header(meta_len: int, buf_len: int, meta_crc: int, buf_crc: int) -> torch.Tensor:
+    raw = _HEADER.pack(_MAGIC, _VERSION, 0, meta_len, buf_len, meta_crc, buf_crc)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _parse_header(raw: bytes, max_bytes: int, src: int) -> _Header:
+    """Check a header before anything it sizes is allocated."""
+    if len(raw) != _HEADER.size:
+        raise StateTransferError(f"state header from rank {src} is {len(raw)} bytes, not {_HEADER.size}")
+    magic, version, flags, meta_len, buf_len, meta_crc, buf_crc = _HEADER.unpack(raw)
+    if magic != _MAGIC:
+        raise StateTransferError(f"not a state header from rank {src} (magic {magic!r})")
+    if version != _VERSION:
+        raise StateTransferError(f"unsupported state format version {version} from rank {src}")
+    if flags:
+        raise StateTransferError(f"unknown state header flags {flags:#x} from rank {src}")
+    if not 1 <= meta_len <= MAX_META_BYTES:
+        raise StateTransferError(
+            f"state metadata length {meta_len} from rank {src} outside [1, {MAX_META_BYTES}]"
+        )
+    if not 0 <= buf_len <= max_bytes:
+        raise StateTransferError(
+            f"state buffer length {buf_len} from rank {src} outside [0, {max_bytes}] ({MAX_BUFFER_BYTES_ENV})"
+        )
+    if buf_len % _ALIGN:
+        raise StateTransferError(f"state buffer length {buf_len} from rank {src} not a multiple of {_ALIGN}")
+    return _Header(meta_len, buf_len, meta_crc, buf_crc)
+
+
 def send_state(comm: Communicator, meta: bytes, buf: torch.Tensor, crc: int, dst: int) -> None:
-    header = torch.tensor([len(meta), buf.numel(), crc], dtype=torch.int64)
-    comm.send(header, dst, _TAG_HEADER)
+    """Send ``pack``'s output with ``crc`` = ``checksum(buf)``: header, metadata, buffer."""
+    if not 1 <= len(meta) <= MAX_META_BYTES:
+        raise StateTransferError(f"state metadata is {len(meta)} bytes, outside [1, {MAX_META_BYTES}]")
+    comm.send(_encode_header(len(meta), buf.numel(), zlib.crc32(meta), crc), dst, _TAG_HEADER)
     comm.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), dst, _TAG_META)
     if buf.numel():
         comm.send(buf, dst, _TAG_BUF)
 
 
-def recv_state(comm: Communicator, src: int) -> tuple[Any, int]:
-    """Receive and verify a state; returns (state, bytes received)."""
-    header = torch.zeros(3, dtype=torch.int64)
-    comm.recv(header, src, _TAG_HEADER)
-    meta_len, buf_len, crc = (int(x) for x in header.tolist())
-    meta = torch.empty(meta_len, dtype=torch.uint8)
-    comm.recv(meta, src, _TAG_META)
-    buf = torch.empty(buf_len, dtype=torch.uint8)
-    if buf_len:
+def recv_state(comm: Communicator, src: int, max_bytes: int | None = None) -> tuple[Any, int]:
+    """Receive and verify a state; returns (state, bytes received). ``max_bytes`` bounds
+    the buffer (default :func:`max_buffer_bytes`)."""
+    limit = max_buffer_bytes() if max_bytes is None else max_bytes
+    raw = torch.zeros(_HEADER.size, dtype=torch.uint8)
+    comm.recv(raw, src, _TAG_HEADER)
+    head = _parse_header(raw.numpy().tobytes(), limit, src)
+    meta_t = torch.empty(head.meta_len, dtype=torch.uint8)
+    comm.recv(meta_t, src, _TAG_META)
+    meta = meta_t.numpy().tobytes()
+    got = zlib.crc32(meta)
+    if got != head.meta_crc:
+        raise StateTransferError(
+            f"metadata checksum mismatch from rank {src}: sent {head.meta_crc:#x}, got {got:#x}"
+        )
+    layout = _read_meta(meta, head.buf_len)
+    buf = torch.empty(head.buf_len, dtype=torch.uint8)
+    if head.buf_len:
         comm.recv(buf, src, _TAG_BUF)
     got = checksum(buf)
-    if got != crc:
-        raise StateTransferError(f"checksum mismatch from rank {src}: sent {crc:#x}, got {got:#x}")
-    return unpack(meta.numpy().tobytes(), buf), buf_len
+    if got != head.buf_crc:
+        raise StateTransferError(f"checksum mismatch from rank {src}: sent {head.buf_crc:#x}, got {got:#x}")
+    return _build(layout, buf), head.buf_len
