@@ -8,6 +8,7 @@ assertions about how long something took.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,51 @@ async def test_nats_msg_id_deduplicates(bus: Bus) -> None:
     assert rec.incidents() == ["same", "next"]
     info = await bus.js.stream_info(EVENTS.name)
     assert info.state.messages == 2
+
+
+async def test_a_stale_pull_status_leaves_no_request_that_holds_the_next_message(
+    nats_url: str, bus: Bus
+) -> None:
+    """A pull's end-of-request status that arrives late (its request already given up:
+    the usual order after a 1 s pull expires) must not leave a request on the server
+    that holds the next message back until it expires (nats.py's fetch(64) did: the
+    planner then planned up to 1 s after the verdict). Here the stale status is sent
+    to the loop's inbox on purpose and pulls expire after 60 s, so a message held by
+    such a request could never arrive within the wait below."""
+    durable = "t-stale"
+    requests: list[Msg] = []
+    statuses: list[str] = []
+    spy = await Bus.connect(nats_url, name="spy")
+
+    async def on_request(raw: Msg) -> None:
+        requests.append(raw)
+
+    async def on_inbox(raw: Msg) -> None:
+        if raw.headers and "Status" in raw.headers and not raw.reply:
+            statuses.append(raw.headers["Status"])
+
+    next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{EVENTS.name}.{durable}"
+    await spy.nc.subscribe(next_subject, cb=on_request)
+    await spy.nc.flush()
+    rec = Recorder()
+    bus.consume(EVENTS, durable, [FAILED.wildcard()], rec, (RankFailed,), pull_expires_s=60.0)
+    await wait_for(lambda: len(requests) >= 1, "the consumer's first pull request")
+    inbox = requests[0].reply
+    await spy.nc.subscribe(inbox, cb=on_inbox)
+    await spy.nc.flush()
+    # A request answered at once ("404 No Messages") into the loop's inbox: a stale status.
+    await spy.nc.publish(next_subject, b'{"batch": 1, "no_wait": true}', reply=inbox)
+    await wait_for(lambda: "404" in statuses, "the stale status")
+
+    await bus.publish(FAILED, fault("a"), job="j1", msg_id="a")
+    await wait_for(lambda: rec.incidents() == ["a"], "the first message")
+    await bus.publish(FAILED, fault("b"), job="j1", msg_id="b")
+    await wait_for(lambda: rec.incidents() == ["a", "b"], "the next message, before any pull expired", 20.0)
+    assert "408" not in statuses
+    pulls = [json.loads(r.data) for r in requests if r.reply == inbox]
+    assert pulls and all(p.get("no_wait") for p in pulls), f"a lingering pull request: {pulls}"
+    await wait_drained(bus, EVENTS.name, durable)
+    await spy.close()
 
 
 async def test_server_restart_mid_stream_loses_and_duplicates_nothing(nats_server: NatsServer) -> None:

@@ -39,6 +39,7 @@ from phalanx.schemas import (
 )
 
 _TOKEN = re.compile(r"\{([a-z_]+)\}")
+_JOB_SCOPED = re.compile(r"^phalanx\.(?:hb|node|evt|cmd)\.([^.]+)\.")
 _SAFE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
@@ -188,3 +189,26 @@ CATALOGUE: tuple[Subject, ...] = (
     ERROR,
     HEALTH,
 )
+
+
+def subject_job(subject: str) -> str | None:
+    """The job a job-scoped subject names (``phalanx.<kind>.<job>...``), else None.
+
+    >>> subject_job("phalanx.evt.j1.comm_error")
+    'j1'
+    """
+    m = _JOB_SCOPED.match(subject)
+    return m.group(1) if m else None
+
+
+def job_mismatch(subject: str, msg: Message) -> str | None:
+    """Why ``msg`` may not travel on ``subject`` (its payload names another job), or None.
+
+    Credentials are scoped by subject; a payload naming another job than its
+    subject would let a publisher allowed into one job act on another.
+    """
+    job = subject_job(subject)
+    claimed = getattr(msg, "job", None)
+    if job is None or claimed is None or claimed == job:
+        return None
+    return f"{msg.KIND} of job {claimed!r} on {subject} (job {job!r})"
