@@ -1,21 +1,23 @@
 """Who may publish what: Phalanx roles as real nats-server permissions.
 
-The wire contract says who sends each subject (:data:`phalanx.proto.PARTIES`);
-this module turns that table into NATS users with ``publish``/``subscribe``
-permissions, so the *server* refuses an unauthorised publisher: a training rank
-cannot publish a plan, only the planner can write the ``phalanx_jobs`` KV bucket,
-and nothing it refuses reaches a stream, a consumer or a subscriber. The
-client sees the refusal as ``-ERR 'Permissions Violation for Publish to
-"<subject>"'``; :class:`phalanx.bus.Bus` logs it as ``permission_denied``.
+The wire contract says who sends and who receives each subject
+(:data:`phalanx.proto.PARTIES`, checked against what the code subscribes to and
+publishes by ``tests/integration/test_parties.py``); this module turns that table
+into NATS users with ``publish``/``subscribe`` permissions, so the *server* refuses
+an unauthorised publisher: a training rank cannot publish a plan, only the planner
+can write the ``phalanx_jobs`` KV bucket, and nothing it refuses reaches a stream,
+a consumer or a subscriber. The client sees the refusal as ``-ERR 'Permissions
+Violation for Publish to "<subject>"'``; :class:`phalanx.bus.Bus` logs it as
+``permission_denied``.
 
 Roles (one NATS user each, named after the role):
 
 ============ ==================== ====================================================
 role         speaks for           may publish (besides what its JetStream use needs)
 ============ ==================== ====================================================
-planner      elasticity-planner   plans, decisions, the ``phalanx_jobs`` KV bucket
-detector     failure-detector     ``failed`` / ``hung`` verdicts
-launcher     launcher             job specs, process exits
+planner      elasticity-planner   plans, decisions, join answers, the ``phalanx_jobs`` bucket
+detector     failure-detector     ``failed`` / ``hung`` / ``node_lost`` verdicts
+launcher     launcher             job specs, process exits, node digests
 rank         rank (and spares)    heartbeats, registered, ack, comm_error, recovered
 scheduler    scheduler-signal     capacity and preemption signals
 replication  state-replication    its error events only (bulk state is not on NATS)
@@ -23,26 +25,64 @@ observer     --                   nothing: reads subjects and streams
 admin        --                   everything (provisioning, operators, tests)
 ============ ==================== ====================================================
 
-Every role reads ``phalanx.>`` (services also answer ``phalanx.health.<own
-name>``), gets its replies on its own inbox ``_INBOX.<user>.>`` (``Bus.connect``
-sets that prefix), may look at streams and KV entries (stream info, message
-get), and runs JetStream consumers only on the streams it consumes. Only roles
-that create the topology (``Bus.connect(ensure=True)``) may create streams, and
-only the planner and admin may *update* one. Error events go to
-``phalanx.err.<own service>``; ranks (named ``rank-<worker>``) may use any
+A party may subscribe to the subjects it *receives* (``phalanx.health.<own name>``
+for a service), gets its replies on its own inbox ``_INBOX.<user>.>``
+(``Bus.connect`` sets that prefix), and runs JetStream consumers only on the
+streams it consumes. Only roles that create the topology (``Bus.connect(ensure=True)``)
+may create streams, and only the planner and admin may *update* one. Error events
+go to ``phalanx.err.<own service>``; ranks (named ``rank-<worker>``) may use any
 ``phalanx.err.*`` except a service's.
 
+**Per job and per worker.** The users ``rank`` and ``launcher`` above may speak for
+*any* job. A deployment renders, for each job ``J``, users scoped to it instead
+(:meth:`NatsAuth.with_job`, ``--job`` below):
+
+- ``launcher@J``: publishes ``phalanx.cmd.J.spec``, ``phalanx.evt.J.exited`` and
+  ``phalanx.node.J.*``; subscribes to ``phalanx.cmd.J.plan``,
+  ``phalanx.evt.J.decision``, ``phalanx.evt.J.joined``;
+- ``rank@J/<worker>``, one per worker: publishes heartbeats only as itself
+  (``phalanx.hb.J.<worker>``), the job's rank events (``phalanx.evt.J.registered``,
+  ``.ack``, ``.comm_error``, ``.recovered``) and errors only as
+  ``phalanx.err.rank-<worker>``; subscribes to ``phalanx.cmd.J.plan``. Without a
+  worker list one ``rank@J`` speaks for every worker of ``J``;
+- both read and watch the job's KV record ``phalanx_jobs`` / ``J.plan`` (the plan
+  they follow) and nothing else of JetStream: no message gets and no consumers on
+  the event, command, scheduler or error streams, no stream info but the bucket's.
+
+A job's users cannot publish or subscribe to another job's subjects; the server
+refuses it (and the sender's bus logs ``permission_denied``). What NATS cannot
+scope (the subject is in the request body, not in the API subject): ``kv.get`` on
+a bucket without direct gets (``$JS.API.STREAM.MSG.GET.KV_phalanx_jobs``) and the
+unnamed ordered consumer nats.py's ``kv.watch`` creates
+(``$JS.API.CONSUMER.CREATE.KV_phalanx_jobs``). Both are allowed on the bucket's
+stream only, so a job's users can *read* another job's record but never write it;
+and a consumer's deliver subject is not checked against its creator's publish
+permissions, so such a consumer can replay the bucket's own records onto a subject
+someone listens on -- records carry no ``Phalanx-Kind`` header, and every receiver
+refuses them as bad input. The scoped forms (a direct get, a consumer named with
+its filter) are allowed too, ready for a bucket with ``allow_direct``.
+
+Per worker is as strong as the separation between the processes: a rank running
+as the same OS user as its launcher can read the launcher's environment, which
+holds every local worker's password.
+
 Credentials travel in the environment, never in the URL (a URL is logged):
-``PHALANX_NATS_USER`` and ``PHALANX_NATS_PASSWORD``. Passwords are random per
-deployment (:meth:`NatsAuth.generate`); the rendered server config holds them, so
-it is written with mode 0600.
+``PHALANX_NATS_USER`` and ``PHALANX_NATS_PASSWORD``. A launcher gets its own and
+hands each worker its own: ``PHALANX_NATS_WORKER_CREDENTIALS`` (JSON, worker ->
+user and password; :func:`worker_credentials`), or ``PHALANX_NATS_RANK_USER`` /
+``PHALANX_NATS_RANK_PASSWORD`` for every worker not listed there. Passwords are
+random per deployment (:meth:`NatsAuth.generate`); the rendered server config
+holds them, so it is written with mode 0600.
 
->>> auth = NatsAuth.generate()
+>>> auth = NatsAuth.generate(jobs={"demo": ["w0", "w1"]})
 >>> auth.write_config("nats.conf", listen="0.0.0.0:4222", store_dir="/data")
->>> auth.env("rank")
-{'PHALANX_NATS_USER': 'rank', 'PHALANX_NATS_PASSWORD': '...'}
+>>> auth.env("planner")
+{'PHALANX_NATS_USER': 'planner', 'PHALANX_NATS_PASSWORD': '...'}
+>>> auth.launcher_env("demo")   # PHALANX_NATS_USER=launcher@demo, ..., PHALANX_NATS_WORKER_CREDENTIALS
 
-    python -m phalanx.natsauth write --config nats.conf --env-dir secrets/
+    python -m phalanx.natsauth write --config nats.conf --env-dir secrets/ \\
+        --job demo:node-a-w0,node-a-w1,node-b-w0,node-b-w1
+    python -m phalanx.natsauth show rank --job demo --worker node-a-w0
 """
 
 from __future__ import annotations
@@ -50,9 +90,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,18 +110,28 @@ ALL_STREAMS: tuple[str, ...] = (*(s.name for s in STREAMS), KV_STREAM)
 PLANNER, DETECTOR, LAUNCHER, RANK = "planner", "detector", "launcher", "rank"
 SCHEDULER, REPLICATION, OBSERVER, ADMIN = "scheduler", "replication", "observer", "admin"
 
+# What a launcher hands its workers (phalanx.runtime.launcher): per-worker users, and
+# the one user of every worker not listed there.
+ENV_WORKER_CREDENTIALS = "PHALANX_NATS_WORKER_CREDENTIALS"
+ENV_RANK_USER = "PHALANX_NATS_RANK_USER"
+ENV_RANK_PASSWORD = "PHALANX_NATS_RANK_PASSWORD"
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a job or worker name (as subjects take them)
+
 
 @dataclass(frozen=True)
 class Role:
-    """What a role is allowed beyond reading: derived into :class:`Permissions`."""
+    """What a role is allowed beyond its subjects: derived into :class:`Permissions`."""
 
     name: str
-    party: str | None  # the sender it is in phalanx.proto.PARTIES (None: sends nothing)
+    party: str | None  # who it is in phalanx.proto.PARTIES (None: sends and receives nothing there)
     service: str | None = None  # a Phalanx service: owns phalanx.err.<service> and its health subject
     consumes: tuple[str, ...] = ()  # streams it runs JetStream consumers on
     creates_topology: bool = False  # Bus.connect(ensure=True): may create the streams and the bucket
     updates_topology: bool = False  # may change a stream's configuration
     writes_jobs_kv: bool = False  # may put/update/delete/purge keys of the phalanx_jobs bucket
+    follows_plans: bool = False  # reads and watches its job's record, phalanx_jobs/<job>.plan
+    per_job: bool = False  # rendered per job (rank: also per worker), see NatsAuth.with_job
     description: str = ""
 
 
@@ -103,15 +154,23 @@ ROLES: dict[str, Role] = {
             "failure-detector",
             consumes=(EVENTS.name, COMMANDS.name),
             creates_topology=True,
-            description="turns heartbeats and process exits into failed/hung verdicts",
+            description="turns heartbeats, node digests and process exits into verdicts",
         ),
         Role(
             LAUNCHER,
             "launcher",
             creates_topology=True,
-            description="phalanx run: publishes the job spec and process exits",
+            follows_plans=True,
+            per_job=True,
+            description="phalanx run: publishes the job spec, process exits and node digests",
         ),
-        Role(RANK, "rank", description="a training rank or hot spare (user code: the least trusted)"),
+        Role(
+            RANK,
+            "rank",
+            follows_plans=True,
+            per_job=True,
+            description="a training rank or hot spare (user code: the least trusted)",
+        ),
         Role(
             SCHEDULER,
             "scheduler-signal",
@@ -138,6 +197,20 @@ ROLES: dict[str, Role] = {
 }
 SERVICES: tuple[str, ...] = tuple(r.service for r in ROLES.values() if r.service)
 ROLE_OF_SERVICE: dict[str, str] = {r.service: r.name for r in ROLES.values() if r.service}
+ROLE_OF_PARTY: dict[str, str] = {r.party: r.name for r in ROLES.values() if r.party}
+
+
+def user_name(role: str, job: str | None = None, worker: str | None = None) -> str:
+    """The NATS user of ``role`` (for ``job``, for its ``worker``).
+
+    One token, no dots: the user's inbox ``_INBOX.<user>.>`` is then never a prefix
+    of another user's. ``rank``, ``launcher@demo``, ``rank@demo/node-a-w0``.
+    """
+    if worker is not None and job is None:
+        raise ValueError("a worker's user belongs to a job")
+    if job is None:
+        return role
+    return f"{role}@{job}" if worker is None else f"{role}@{job}/{worker}"
 
 
 @dataclass(frozen=True)
@@ -166,8 +239,14 @@ class Permissions:
         return block
 
 
-def _senders(party: str) -> list[Subject]:
+def sent_by(party: str) -> list[Subject]:
+    """The subjects ``party`` sends, according to the contract."""
     return [s for s in CATALOGUE if party in PARTIES.get(s.pattern, ((), ()))[0]]
+
+
+def received_by(party: str) -> list[Subject]:
+    """The subjects ``party`` receives, according to the contract."""
+    return [s for s in CATALOGUE if party in PARTIES.get(s.pattern, ((), ()))[1]]
 
 
 def _stream_read(stream: str) -> list[str]:
@@ -196,36 +275,83 @@ def _stream_consume(stream: str) -> list[str]:
     ]
 
 
-def permissions(role: str, user: str | None = None) -> Permissions:
-    """The NATS permissions of ``role`` (for the user named ``user``, default the role)."""
+def _plan_follow(job: str) -> list[str]:
+    """Read and watch the record ``<job>.plan`` (``*``: every job's) of the jobs bucket."""
+    key = f"$KV.{JOBS_BUCKET}.{job}.plan"
+    return [
+        f"{JS_API}.STREAM.INFO.{KV_STREAM}",  # js.key_value(bucket)
+        f"{JS_API}.DIRECT.GET.{KV_STREAM}.{key}",  # kv.get, bucket with direct gets: scoped
+        f"{JS_API}.STREAM.MSG.GET.{KV_STREAM}",  # kv.get otherwise: the key is in the body
+        f"{JS_API}.CONSUMER.CREATE.{KV_STREAM}.*.{key}",  # a named watch consumer: scoped by its filter
+        f"{JS_API}.CONSUMER.CREATE.{KV_STREAM}",  # nats.py's kv.watch (unnamed): filter in the body
+        f"{JS_API}.CONSUMER.INFO.{KV_STREAM}.*",  # the watch reads its consumer's pending count
+        f"$JS.FC.{KV_STREAM}.>",  # flow control of the ordered consumer
+    ]
+
+
+def _check_name(what: str, value: str) -> None:
+    if not _NAME.match(value):
+        raise ValueError(f"{what} {value!r} is not a plain name (letters, digits, '_' and '-')")
+
+
+def permissions(
+    role: str, user: str | None = None, *, job: str | None = None, worker: str | None = None
+) -> Permissions:
+    """The NATS permissions of ``role`` (for the user named ``user``, default :func:`user_name`).
+
+    ``job``: scoped to that job's subjects and record (roles with ``per_job``);
+    ``worker`` (ranks): heartbeats and errors only as that worker.
+    """
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
-    user = user or role
+    r = ROLES[role]
+    if job is not None:
+        if not r.per_job:
+            raise ValueError(f"role {role!r} is not scoped per job")
+        _check_name("job", job)
+    if worker is not None:
+        if role != RANK or job is None:
+            raise ValueError("only a job's ranks have per-worker users")
+        _check_name("worker", worker)
+    user = user or user_name(role, job, worker)
     if role == ADMIN:
         return Permissions(publish_allow=(">",), subscribe_allow=(">",))
-    r = ROLES[role]
+    own = {"job": job, "worker": worker, "service": r.service}
+
+    def scoped(s: Subject) -> str:
+        return s.wildcard(**{k: v for k, v in own.items() if v is not None and k in s.params})
+
     pub: list[str] = [f"{JS_API}.INFO", f"{JS_API}.STREAM.NAMES", f"{JS_API}.STREAM.LIST"]
     deny: list[str] = []
-    # Application subjects: what the contract says this party sends.
+    sub: list[str] = []
     if r.party is not None:
-        for s in _senders(r.party):
+        # Application subjects: what the contract says this party sends ...
+        for s in sent_by(r.party):
             if s is ERROR:
                 if r.service:
                     pub.append(ERROR.format(service=r.service))
-                else:  # ranks report as rank-<worker>: any name but a service's
+                elif worker is not None:  # the rank's bus is named rank-<worker>
+                    pub.append(ERROR.format(service=f"{r.party}-{worker}"))
+                else:  # ranks and launchers report under their own names: any but a service's
                     pub.append(ERROR.wildcard())
                     deny += [ERROR.format(service=svc) for svc in SERVICES]
             elif s.transport is Transport.REQUEST:
-                continue  # requests are the operator's (admin); a service may ping itself below
+                continue  # requests are the operator's (admin)
             else:
-                pub.append(s.wildcard())
+                pub.append(scoped(s))
+        # ... and what it receives (a service answers only its own health subject).
+        for s in received_by(r.party):
+            sub.append(scoped(s))
     if r.service:
         pub.append(HEALTH.format(service=r.service))  # its own probe (the health check in its container)
-    # JetStream: read everything, consume only its own streams, change the topology if allowed.
-    for stream in ALL_STREAMS:
-        pub += _stream_read(stream)
+    # JetStream: look at the streams (a job's users: only at their record), consume its own streams.
+    if job is None:
+        for stream in ALL_STREAMS:
+            pub += _stream_read(stream)
     for stream in r.consumes:
         pub += _stream_consume(stream)
+    if r.follows_plans:
+        pub += _plan_follow(job or "*")
     if r.creates_topology:
         pub += [f"{JS_API}.STREAM.CREATE.{s}" for s in ALL_STREAMS]
     if r.updates_topology:
@@ -238,23 +364,13 @@ def permissions(role: str, user: str | None = None) -> Permissions:
     deny += [f"{JS_API}.STREAM.DELETE.>", f"{JS_API}.STREAM.PURGE.>", f"{JS_API}.STREAM.MSG.DELETE.>"]
     if not r.updates_topology:
         deny.append(f"{JS_API}.STREAM.UPDATE.>")
-    sub = [
-        "phalanx.hb.>",
-        "phalanx.node.>",
-        "phalanx.evt.>",
-        "phalanx.cmd.>",
-        "phalanx.sched.>",
-        "phalanx.err.>",
-        f"{inbox_prefix(user)}.>",
-    ]
-    if r.service:
-        sub.append(HEALTH.format(service=r.service))
     if role == OBSERVER:
-        sub.append("$JS.EVENT.>")  # JetStream advisories
+        sub += ["phalanx.>", "$JS.EVENT.>"]  # everything, and the JetStream advisories
+    sub.append(f"{inbox_prefix(user)}.>")
     return Permissions(
         publish_allow=tuple(dict.fromkeys(pub)),
         publish_deny=tuple(dict.fromkeys(deny)),
-        subscribe_allow=tuple(sub),
+        subscribe_allow=tuple(dict.fromkeys(sub)),
         allow_responses=r.service is not None,
     )
 
@@ -264,10 +380,36 @@ class Credentials:
     role: str
     user: str
     password: str = field(repr=False)
+    job: str | None = None  # a job's user (launcher@J, rank@J, rank@J/<worker>)
+    worker: str | None = None
 
     def env(self) -> dict[str, str]:
         """The environment a process of this role connects with (``Bus.connect`` reads it)."""
         return {ENV_NATS_USER: self.user, ENV_NATS_PASSWORD: self.password}
+
+    def permissions(self) -> Permissions:
+        return permissions(self.role, self.user, job=self.job, worker=self.worker)
+
+
+def worker_credentials(spec: str | None, worker: str) -> dict[str, str]:
+    """``worker``'s login from a launcher's ``PHALANX_NATS_WORKER_CREDENTIALS``.
+
+    ``spec`` is JSON, ``{"<worker>": {"user": ..., "password": ...}, ...}``
+    (:meth:`NatsAuth.launcher_env` writes it). Empty for no spec or a worker not in
+    it (it then logs in as the launcher's ``PHALANX_NATS_RANK_USER``, if any).
+    """
+    if not spec:
+        return {}
+    try:
+        table = json.loads(spec)
+        entry = table.get(worker) if isinstance(table, dict) else None
+        if entry is None:
+            return {}
+        return {ENV_NATS_USER: str(entry["user"]), ENV_NATS_PASSWORD: str(entry["password"])}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f"{ENV_WORKER_CREDENTIALS} is not a JSON object of worker -> {{user, password}}: {exc!r}"
+        ) from None
 
 
 def _conf_value(value: object, indent: int) -> str:
@@ -289,39 +431,93 @@ def _conf_value(value: object, indent: int) -> str:
     return json.dumps(str(value))
 
 
+def _write_private(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+    return path
+
+
+def _password() -> str:
+    return secrets.token_urlsafe(24)
+
+
 @dataclass(frozen=True)
 class NatsAuth:
-    """The users of one deployment: one per role, each with a random password."""
+    """The users of one deployment, by user name, each with a random password:
+    one per role, and each job's launcher and ranks (:meth:`with_job`)."""
 
     users: Mapping[str, Credentials]
 
     @classmethod
-    def generate(cls, roles: Iterable[str] = tuple(ROLES)) -> NatsAuth:
+    def generate(
+        cls, roles: Iterable[str] = tuple(ROLES), *, jobs: Mapping[str, Sequence[str]] | None = None
+    ) -> NatsAuth:
+        """Users for ``roles`` (role-wide), and for each of ``jobs`` (job -> its workers)."""
         users = {}
         for role in roles:
             if role not in ROLES:
                 raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
-            users[role] = Credentials(role, role, secrets.token_urlsafe(24))
-        return cls(users)
+            users[role] = Credentials(role, role, _password())
+        auth = cls(users)
+        for job, workers in (jobs or {}).items():
+            auth = auth.with_job(job, workers)
+        return auth
 
-    def credentials(self, role: str) -> Credentials:
+    def with_job(self, job: str, workers: Sequence[str] = ()) -> NatsAuth:
+        """These users plus ``job``'s: ``launcher@<job>``, and ``rank@<job>/<worker>`` for
+        each of ``workers`` (none given: one ``rank@<job>`` for all of them).
+
+        Workers are named as ``phalanx run`` names them: ``w0``.. on one node,
+        ``<node>-w0``.. when the job may span nodes (spares included).
+        """
+        _check_name("job", job)
+        for w in workers:
+            _check_name("worker", w)
+        if len(set(workers)) != len(workers):
+            raise ValueError(f"job {job!r}: a worker is listed twice")
+        if job in self.jobs:
+            raise ValueError(f"job {job!r} already has users")
+        added = [Credentials(LAUNCHER, user_name(LAUNCHER, job), _password(), job)]
+        if workers:
+            added += [Credentials(RANK, user_name(RANK, job, w), _password(), job, w) for w in workers]
+        else:
+            added.append(Credentials(RANK, user_name(RANK, job), _password(), job))
+        return NatsAuth({**self.users, **{c.user: c for c in added}})
+
+    @property
+    def jobs(self) -> list[str]:
+        return list(dict.fromkeys(c.job for c in self.users.values() if c.job is not None))
+
+    def credentials(self, role: str, job: str | None = None, worker: str | None = None) -> Credentials:
         try:
-            return self.users[role]
+            return self.users[user_name(role, job, worker)]
         except KeyError:
-            raise KeyError(f"no user for role {role!r} in this deployment") from None
+            raise KeyError(f"no user {user_name(role, job, worker)!r} in this deployment") from None
 
-    def env(self, role: str) -> dict[str, str]:
-        return self.credentials(role).env()
+    def env(self, role: str, job: str | None = None, worker: str | None = None) -> dict[str, str]:
+        return self.credentials(role, job, worker).env()
+
+    def launcher_env(self, job: str) -> dict[str, str]:
+        """Everything a launcher of ``job`` needs: its own login, and its workers' (per
+        worker in ``PHALANX_NATS_WORKER_CREDENTIALS``, or the job's one rank user)."""
+        out = self.env(LAUNCHER, job)
+        workers = {c.worker: c for c in self.users.values() if c.job == job and c.worker is not None}
+        if workers:
+            table = {w: {"user": c.user, "password": c.password} for w, c in workers.items()}
+            out[ENV_WORKER_CREDENTIALS] = json.dumps(table, separators=(",", ":"))
+        else:
+            rank = self.credentials(RANK, job)
+            out[ENV_RANK_USER], out[ENV_RANK_PASSWORD] = rank.user, rank.password
+        return out
 
     def authorization(self) -> dict[str, object]:
         """The ``authorization`` block of a nats-server config."""
         return {
             "users": [
-                {
-                    "user": c.user,
-                    "password": c.password,
-                    "permissions": permissions(c.role, c.user).as_config(),
-                }
+                {"user": c.user, "password": c.password, "permissions": c.permissions().as_config()}
                 for c in self.users.values()
             ]
         }
@@ -357,9 +553,9 @@ class NatsAuth:
             conf["jetstream"] = {"store_dir": os.fspath(store_dir)} if store_dir else {"enabled": True}
         conf["authorization"] = self.authorization()
         body = "".join(f"{k}: {_conf_value(v, 0)}\n" for k, v in conf.items())
-        roles = ", ".join(self.users)
+        users = ", ".join(self.users)
         return (
-            f"# nats-server config generated by phalanx.natsauth (roles: {roles}). Holds passwords.\n{body}"
+            f"# nats-server config generated by phalanx.natsauth (users: {users}). Holds passwords.\n{body}"
         )
 
     def write_config(
@@ -382,51 +578,79 @@ class NatsAuth:
             http_port=http_port,
             authorization_only=authorization_only,
         )
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(out, 0o600)
-        return out
+        return _write_private(Path(path), text)
 
     def write_env_files(self, directory: str | os.PathLike[str]) -> list[Path]:
-        """One ``<role>.env`` per role (``KEY=value`` lines, mode 0600): a compose
-        ``env_file`` or ``kubectl create secret generic --from-env-file``."""
+        """``KEY=value`` files (mode 0600) for a compose ``env_file`` or ``kubectl
+        create secret generic --from-env-file``: ``<role>.env`` per role-wide user,
+        ``launcher-<job>.env`` per job (:meth:`launcher_env`: the launcher's login
+        and its workers')."""
         d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
         written = []
-        for role, cred in self.users.items():
-            p = d / f"{role}.env"
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.writelines(f"{k}={v}\n" for k, v in cred.env().items())
-            os.chmod(p, 0o600)
-            written.append(p)
+        for cred in self.users.values():
+            if cred.job is None:
+                lines = "".join(f"{k}={v}\n" for k, v in cred.env().items())
+                written.append(_write_private(d / f"{cred.role}.env", lines))
+        for job in self.jobs:
+            lines = "".join(f"{k}={v}\n" for k, v in self.launcher_env(job).items())
+            written.append(_write_private(d / f"{LAUNCHER}-{job}.env", lines))
         return written
+
+
+def parse_job(spec: str) -> tuple[str, list[str]]:
+    """``NAME`` or ``NAME:WORKER,WORKER,...`` (the ``--job`` argument)."""
+    name, _, workers = spec.partition(":")
+    return name.strip(), [w.strip() for w in workers.split(",") if w.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m phalanx.natsauth", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    w = sub.add_parser("write", help="generate users and write the server config and per-role env files")
+    w = sub.add_parser("write", help="generate users and write the server config and env files")
     w.add_argument("--config", required=True, help="nats-server config to write (mode 0600)")
-    w.add_argument("--env-dir", help="directory for <role>.env files (mode 0600)")
+    w.add_argument("--env-dir", help="directory for <role>.env and launcher-<job>.env files (mode 0600)")
     w.add_argument("--listen", default="0.0.0.0:4222")
     w.add_argument("--store-dir", default="/data")
     w.add_argument("--server-name")
     w.add_argument("--http-port", type=int)
-    w.add_argument("--roles", default=",".join(ROLES), help="comma-separated subset of the roles")
+    w.add_argument(
+        "--job",
+        action="append",
+        default=[],
+        metavar="NAME[:WORKERS]",
+        help="users of one job (repeat for more): launcher@NAME, and rank@NAME/<worker> for each "
+        "worker of the comma-separated list (all of the job's workers, spares included), "
+        "or one rank@NAME without a list",
+    )
+    w.add_argument(
+        "--roles",
+        help="comma-separated role-wide users (default: every role; with --job, every role "
+        "but rank and launcher, whose job users replace them)",
+    )
     w.add_argument(
         "--authorization-only", action="store_true", help="only the authorization block, to include"
     )
-    s = sub.add_parser("show", help="print one role's permissions as JSON")
+    s = sub.add_parser("show", help="print one user's permissions as JSON")
     s.add_argument("role", choices=list(ROLES))
+    s.add_argument("--job", help="the job's user of the role (launcher, rank)")
+    s.add_argument("--worker", help="with --job: one worker's user (rank)")
     args = p.parse_args(argv)
     if args.cmd == "show":
-        print(json.dumps(permissions(args.role).as_config(), indent=2))
+        try:
+            perms = permissions(args.role, job=args.job, worker=args.worker)
+        except ValueError as exc:
+            p.error(str(exc))
+        print(json.dumps(perms.as_config(), indent=2))
         return 0
-    auth = NatsAuth.generate([r.strip() for r in args.roles.split(",") if r.strip()])
+    jobs = dict(parse_job(j) for j in args.job)
+    if args.roles is not None:
+        roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    else:
+        roles = [r for r in ROLES if not (jobs and ROLES[r].per_job)]
+    try:
+        auth = NatsAuth.generate(roles, jobs=jobs)
+    except ValueError as exc:
+        p.error(str(exc))
     auth.write_config(
         args.config,
         listen=args.listen,

@@ -10,6 +10,11 @@ nats://127.0.0.1:40123
 >>> cluster = NatsCluster(3, base_dir=tmp)   # a 3-node JetStream cluster
 >>> NatsServer(store_dir=tmp, config_file="nats.conf")   # plus a config (phalanx.natsauth)
 
+``tls_cert`` / ``tls_key`` make it a TLS server (every client must speak TLS; its
+URL is then ``tls://...``); with ``tls_ca`` it also verifies client certificates
+against that CA (mutual TLS). ``reload()`` makes it read its config file again
+(users added to a running deployment: :meth:`phalanx.natsauth.NatsAuth.with_job`).
+
 ``host`` changes the listen address, and ``argv_prefix`` is put before the command
 line, e.g. to run the server inside a network namespace (phalanx.netns):
 ``NatsServer(host=cl.ip("ctl"), argv_prefix=cl.argv("ctl", []))``. A port that cannot be
@@ -80,7 +85,15 @@ class NatsServer:
         config_file: str | os.PathLike[str] | None = None,
         host: str = "127.0.0.1",
         argv_prefix: Sequence[str] = (),
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None:
+        if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
+            raise ValueError("TLS needs tls_cert and tls_key (and tls_ca only with them)")
+        self.tls_cert = Path(tls_cert) if tls_cert else None
+        self.tls_key = Path(tls_key) if tls_key else None
+        self.tls_ca = Path(tls_ca) if tls_ca else None  # verify clients' certificates against it
         self.host = host
         # e.g. ``NetnsCluster.argv(node, [])``: the server runs inside that namespace
         self.argv_prefix = list(argv_prefix)
@@ -100,7 +113,8 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        scheme = "tls" if self.tls_cert else "nats"
+        return f"{scheme}://{self.host}:{self.port}"
 
     def _args(self) -> list[str]:
         args = [
@@ -117,6 +131,10 @@ class NatsServer:
         if self.config_file:
             at = len(self.argv_prefix) + 1
             args[at:at] = ["-c", str(self.config_file)]
+        if self.tls_cert and self.tls_key:
+            args += ["--tls", "--tlscert", str(self.tls_cert), "--tlskey", str(self.tls_key)]
+            if self.tls_ca:
+                args += ["--tlscacert", str(self.tls_ca), "--tlsverify"]
         if self.server_name:
             args += ["-n", self.server_name]
         if self.cluster_name:
@@ -193,6 +211,24 @@ class NatsServer:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
+
+    def reload(self, timeout_s: float = 10.0) -> None:
+        """Read the config file again (SIGHUP) and wait until the server has: e.g. new
+        users. Connected clients stay connected."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise NatsServerError("nats-server is not running")
+
+        def count(word: bytes) -> int:
+            return self.log_file.read_bytes().count(word) if self.log_file.exists() else 0
+
+        done, failed = count(b"Reloaded server configuration"), count(b"Failed to reload")
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while count(b"Reloaded server configuration") == done:
+            if count(b"Failed to reload") > failed or time.monotonic() > deadline:
+                tail = self.log_file.read_text(errors="replace")[-1000:]
+                raise NatsServerError(f"nats-server did not reload its config:\n{tail}")
+            time.sleep(0.02)
 
     def restart(self) -> NatsServer:
         self.stop()

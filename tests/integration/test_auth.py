@@ -1,21 +1,30 @@
-"""Who may publish what, enforced by a real nats-server (phalanx.natsauth).
+"""Who may publish what, enforced by a real nats-server (phalanx.natsauth), and TLS.
 
 Every test starts its own nats-server with the config ``NatsAuth.render_config``
-writes (one user per role, random passwords) and connects each client as a role
-through ``PHALANX_NATS_USER`` / ``PHALANX_NATS_PASSWORD``, the way a deployment
-hands credentials to its processes. A refusal must be seen by the client (a
+writes (one user per role, and the users of two jobs: per worker for ``authjob``,
+random passwords) and connects each client as a role through
+``PHALANX_NATS_USER`` / ``PHALANX_NATS_PASSWORD``, the way a deployment hands
+credentials to its processes. A refusal must be seen by the client (a
 ``permission_denied`` log line, :class:`PermissionDenied` on a JetStream publish)
 and change nothing: no stored message, no delivery, no KV revision. "Nothing
 arrived" is shown by a later message that did arrive, never by waiting.
+
+The TLS tests make their own CA, server and client certificates with the
+``openssl`` command (skipped, with that reason, where there is none).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import shutil
+import socket
+import ssl
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import nats.errors
 import pytest
@@ -24,12 +33,22 @@ from phalanx.services.elasticity_planner.service import ElasticityPlanner
 from structlog.testing import capture_logs
 
 from phalanx.bus import COMMANDS, EVENTS, JOBS_BUCKET, Bus
-from phalanx.bus._connection import ENV_NATS_PASSWORD, ENV_NATS_USER, PermissionDenied
-from phalanx.bus.subjects import HEARTBEAT, JOB_SPEC, JOINED, PLAN, REGISTERED
+from phalanx.bus._connection import (
+    ENV_NATS_PASSWORD,
+    ENV_NATS_TLS_CA,
+    ENV_NATS_TLS_CERT,
+    ENV_NATS_TLS_KEY,
+    ENV_NATS_USER,
+    PermissionDenied,
+)
+from phalanx.bus.subjects import COMM_ERROR, HEARTBEAT, JOB_SPEC, JOINED, PLAN, REGISTERED
+from phalanx.bus.topology import ensure_topology
 from phalanx.natsauth import KV_STREAM, NatsAuth
 from phalanx.natsserver import NatsServer
 from phalanx.schemas import (
+    CollectiveError,
     Heartbeat,
+    JobRecord,
     JobSpec,
     Member,
     Message,
@@ -45,6 +64,8 @@ from phalanx.schemas import (
 from phalanx.service import Service, ping
 
 JOB = "authjob"
+OTHER = "otherjob"  # another job on the same server
+WORKERS = {JOB: ["w0", "w1"], OTHER: ["w0"]}
 WAIT_S = 10.0
 
 
@@ -78,15 +99,23 @@ class AuthServer:
     stack: contextlib.AsyncExitStack
 
     @contextlib.contextmanager
-    def as_role(self, role: str) -> object:
-        """The process environment of ``role`` (what Bus.connect reads)."""
+    def as_role(self, role: str, job: str | None = None, worker: str | None = None) -> object:
+        """The process environment of ``role`` (of ``job``'s ``worker``): what Bus.connect reads."""
         with self.monkeypatch.context() as m:
-            for k, v in self.auth.env(role).items():
+            for k, v in self.auth.env(role, job, worker).items():
                 m.setenv(k, v)
             yield
 
-    async def connect(self, role: str, *, name: str | None = None, ensure: bool = False) -> Bus:
-        with self.as_role(role):
+    async def connect(
+        self,
+        role: str,
+        *,
+        name: str | None = None,
+        ensure: bool = False,
+        job: str | None = None,
+        worker: str | None = None,
+    ) -> Bus:
+        with self.as_role(role, job, worker):
             bus = await Bus.connect(self.url, name=name or role, ensure=ensure)
         self.stack.push_async_callback(bus.close)
         return bus
@@ -94,7 +123,7 @@ class AuthServer:
 
 @pytest.fixture
 async def srv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[AuthServer]:
-    auth = NatsAuth.generate()
+    auth = NatsAuth.generate(jobs=WORKERS)
     conf = auth.write_config(tmp_path / "nats.conf")  # listen and store dir: NatsServer's flags
     server = NatsServer(store_dir=tmp_path / "nats", config_file=conf).start()
     try:
@@ -146,9 +175,10 @@ async def test_a_rank_cannot_publish_a_plan(srv: AuthServer) -> None:
         assert isinstance(msg, Plan)
         stream.append(msg)
 
-    await planner.nc.subscribe(PLAN.format(job=JOB), cb=on_core)
+    observer = await srv.connect("observer")  # the planner sends plans; it does not receive them
+    await observer.nc.subscribe(PLAN.format(job=JOB), cb=on_core)
+    await observer.nc.flush()
     planner.consume(COMMANDS, "auth-plans", [PLAN.wildcard()], on_stream, (Plan,))
-    await planner.nc.flush()
 
     forged = plan(99, "forged by a rank")
     with capture_logs() as logs:
@@ -314,6 +344,275 @@ async def test_the_planner_service_runs_under_its_role(srv: AuthServer) -> None:
         await wait_for(lambda: bool(plans), "generation 1")
         assert plans[0].generation == 1 and [m.worker for m in plans[0].members] == workers
         entry = await (await admin.js.key_value(JOBS_BUCKET)).get(f"{JOB}.plan")
-        assert decode(entry.value or b"", headers_for(Plan), Plan) == plans[0]
+        assert decode(entry.value or b"", headers_for(JobRecord), JobRecord).plan == plans[0]
         assert not launcher.denied and not rank.denied
         assert "Violation" not in srv.log_file.read_text()  # the planner was refused nothing either
+
+
+# -- per job, per worker ------------------------------------------------------------------------
+def beat(job: str, worker: str, seq: int = 1) -> Heartbeat:
+    return Heartbeat(
+        job=job,
+        worker=worker,
+        rank=0,
+        generation=1,
+        step=3,
+        step_ms=1.0,
+        phase=Phase.COMPUTE,
+        phase_ms=1.0,
+        seq=seq,
+        pid=1,
+        host="h",
+        interval_ms=100.0,
+    )
+
+
+async def test_a_message_on_another_jobs_subject_is_refused_and_changes_nothing(srv: AuthServer) -> None:
+    """A rank of one job (and its launcher) cannot put a heartbeat, a collective error
+    or a job spec into another job: refused by the server, logged, nothing arrives."""
+    intruder = await srv.connect("rank", name="rank-w0", job=JOB, worker="w0")
+    launcher = await srv.connect("launcher", name=f"launcher-{JOB}", job=JOB)
+    victim = await srv.connect("rank", name="rank-w0", job=OTHER, worker="w0")
+    observer = await srv.connect("observer")
+    seen: list[str] = []
+
+    async def on_msg(raw: Msg) -> None:
+        seen.append(raw.subject)
+
+    for family in ("hb", "evt", "cmd"):  # everything of the other job, as it happens
+        await observer.nc.subscribe(f"phalanx.{family}.{OTHER}.>", cb=on_msg)
+    await observer.nc.flush()
+
+    forged_error = CollectiveError(job=OTHER, worker="w0", rank=0, generation=1, step=3, error="forged")
+    forged_spec = JobSpec(job=OTHER, launcher="L-forged", ranks=1, global_batch=4, workers=["w0"])
+    with capture_logs() as logs:
+        await intruder.publish(HEARTBEAT, beat(OTHER, "w0"), traced=False, job=OTHER, worker="w0")
+        results = await asyncio.gather(
+            intruder.publish(COMM_ERROR, forged_error, job=OTHER, msg_id="forged-comm"),
+            intruder.publish(JOB_SPEC, forged_spec, job=OTHER, msg_id="forged-spec-1"),
+            launcher.publish(JOB_SPEC, forged_spec, job=OTHER, msg_id="forged-spec-2"),  # nor its launcher
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, PermissionDenied) for r in results), results
+        await intruder.nc.flush()
+        subjects = [
+            HEARTBEAT.format(job=OTHER, worker="w0"),
+            COMM_ERROR.format(job=OTHER),
+            JOB_SPEC.format(job=OTHER),
+        ]
+        await wait_for(lambda: all(refusals(logs, s) for s in subjects), "every refusal logged")
+    await wait_for(lambda: len(refusals(logs, JOB_SPEC.format(job=OTHER))) >= 2, "both spec refusals")
+    users = {s: {str(r["user"]) for r in refusals(logs, s)} for s in subjects}
+    assert users == {
+        HEARTBEAT.format(job=OTHER, worker="w0"): {f"rank@{JOB}/w0"},
+        COMM_ERROR.format(job=OTHER): {f"rank@{JOB}/w0"},
+        JOB_SPEC.format(job=OTHER): {f"rank@{JOB}/w0", f"launcher@{JOB}"},
+    }
+
+    # The other job's own rank is heard, and is the first thing that job heard at all.
+    await victim.publish(HEARTBEAT, beat(OTHER, "w0", seq=2), traced=False, job=OTHER, worker="w0")
+    await wait_for(lambda: bool(seen), "the other job's own heartbeat")
+    assert seen == [HEARTBEAT.format(job=OTHER, worker="w0")]
+    for stream in (EVENTS, COMMANDS):  # nothing stored either
+        assert (await observer.js.stream_info(stream.name)).state.messages == 0
+    # ... while inside its own job the same rank and launcher are allowed.
+    own = CollectiveError(job=JOB, worker="w0", rank=0, generation=1, step=3, error="real")
+    await intruder.publish(COMM_ERROR, own, job=JOB, msg_id="own-comm")
+    spec = JobSpec(job=JOB, launcher="L1", ranks=1, global_batch=4, workers=["w0"])
+    await launcher.publish(JOB_SPEC, spec, job=JOB, msg_id="own-spec")
+    assert (await observer.js.stream_info(EVENTS.name)).state.messages == 1
+    assert (await observer.js.stream_info(COMMANDS.name)).state.messages == 1
+    assert not victim.denied
+
+
+async def test_a_worker_cannot_heartbeat_as_another(srv: AuthServer) -> None:
+    w0 = await srv.connect("rank", name="rank-w0", job=JOB, worker="w0")
+    detector = await srv.connect("detector", name="failure-detector")
+    beats: list[Heartbeat] = []
+
+    async def on_beat(msg: Heartbeat, raw: Msg) -> None:
+        beats.append(msg)
+
+    await detector.subscribe(HEARTBEAT.wildcard(job=JOB), on_beat, Heartbeat, trace_messages=False)
+    await detector.nc.flush()
+    with capture_logs() as logs:
+        await w0.publish(HEARTBEAT, beat(JOB, "w1", seq=1), traced=False, job=JOB, worker="w1")
+        await w0.nc.flush()
+        await wait_for(lambda: bool(refusals(logs, HEARTBEAT.format(job=JOB, worker="w1"))), "the refusal")
+    await w0.publish(HEARTBEAT, beat(JOB, "w0", seq=2), traced=False, job=JOB, worker="w0")
+    await wait_for(lambda: bool(beats), "w0's own heartbeat")
+    assert [(b.worker, b.seq) for b in beats] == [("w0", 2)]
+
+
+async def test_a_jobs_rank_follows_its_record_and_reads_nothing_else(srv: AuthServer) -> None:
+    """The KV get and the KV watch (ordered consumer) a rank follows its plan with work
+    under its job's credentials; writes, other streams and other jobs' subjects do not."""
+    planner = await srv.connect("planner")
+    kv = await planner.js.key_value(JOBS_BUCKET)
+    await kv.put(f"{JOB}.plan", encode(plan(1, "first"))[0])
+    rank = await srv.connect("rank", name="rank-w1", job=JOB, worker="w1")
+    rank_js = rank.nc.jetstream(timeout=1.0)  # a refused request is a timeout: keep it short
+    rank_kv = await rank_js.key_value(JOBS_BUCKET)
+    assert decode((await rank_kv.get(f"{JOB}.plan")).value or b"", headers_for(Plan), Plan).reason == "first"
+
+    async def next_reason(watcher: Any) -> str:
+        while True:  # None: "caught up", which nats.py may say before or after the replay
+            entry = await asyncio.wait_for(watcher.updates(), WAIT_S)
+            if entry is not None:
+                return decode(entry.value or b"", headers_for(Plan), Plan).reason
+
+    watcher = await rank_kv.watch(f"{JOB}.plan")
+    assert await next_reason(watcher) == "first"  # the latest value, replayed
+    await kv.put(f"{JOB}.plan", encode(plan(2, "second"))[0])
+    assert await next_reason(watcher) == "second"
+    await watcher.stop()
+
+    with capture_logs() as logs:
+        with pytest.raises(nats.errors.TimeoutError):
+            await rank_kv.put(f"{JOB}.plan", b"forged")
+        with pytest.raises(nats.errors.TimeoutError):  # another job's events, by message get
+            await rank_js.get_msg(EVENTS.name, seq=1)
+        with pytest.raises(nats.errors.TimeoutError):  # ... or by a consumer of its own
+            await rank_js.pull_subscribe(f"phalanx.evt.{OTHER}.>", durable="peek", stream=EVENTS.name)
+        await rank.nc.subscribe(f"phalanx.evt.{OTHER}.>")  # core: refused as well
+        await rank.nc.flush()
+        await wait_for(lambda: bool(refusals(logs, f"phalanx.evt.{OTHER}.>")), "the refused subscription")
+    for api in (f"$KV.{JOBS_BUCKET}.{JOB}.plan", f"$JS.API.STREAM.MSG.GET.{EVENTS.name}"):
+        assert api.lower() in rank.denied, api
+    assert (await kv.get(f"{JOB}.plan")).revision == 2
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+@dataclass
+class Pki:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    """A throw-away CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make test certificates with (and no other way is implemented)")
+    d = tmp_path / "pki"
+    d.mkdir()
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=phalanx test CA",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)  # fmt: skip
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"),
+        ("client", "extendedKeyUsage=clientAuth\n"),
+    ):
+        (d / f"{name}.ext").write_text(
+            f"basicConstraints=CA:FALSE\nauthorityKeyIdentifier=keyid,issuer\n{ext}"
+        )
+        _openssl(
+            "req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=phalanx {name}", cwd=d
+        )
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-set_serial", "7",
+                 "-days", "2", "-out", f"{name}.pem", "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+    return Pki(d / "ca.pem", d / "server.pem", d / "server.key", d / "client.pem", d / "client.key")
+
+
+@contextlib.contextmanager
+def tls_env(monkeypatch: pytest.MonkeyPatch, **values: Path | None) -> Iterator[None]:
+    names = {"ca": ENV_NATS_TLS_CA, "cert": ENV_NATS_TLS_CERT, "key": ENV_NATS_TLS_KEY}
+    with monkeypatch.context() as m:
+        for k, var in names.items():
+            v = values.get(k)
+            if v is None:
+                m.delenv(var, raising=False)
+            else:
+                m.setenv(var, str(v))
+        yield
+
+
+def _plaintext_hello(port: int) -> bytes:
+    """What a client that does not speak TLS gets: the INFO line, then nothing but a closed socket."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        got = s.recv(4096)
+        s.sendall(b'CONNECT {"verbose":false}\r\nPING\r\n')
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(4096):
+                got += chunk
+    return got
+
+
+async def test_tls_with_authorization_the_ca_connects_and_plaintext_is_refused(
+    tmp_path: Path, pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    auth = NatsAuth.generate(jobs=WORKERS)
+    conf = auth.write_config(tmp_path / "nats.conf")
+    server = NatsServer(
+        store_dir=tmp_path / "nats", config_file=conf, tls_cert=pki.server_cert, tls_key=pki.server_key
+    ).start()
+    try:
+        assert server.url.startswith("tls://")
+        users = {r: auth.env(r) for r in ("admin", "observer")}
+        rank_env = auth.env("rank", JOB, "w0")
+
+        async def connect(creds: dict[str, str], url: str, name: str) -> Bus:
+            with monkeypatch.context() as m:
+                for k, v in creds.items():
+                    m.setenv(k, v)
+                return await Bus.connect(url, name=name, ensure=False)
+
+        with tls_env(monkeypatch, ca=pki.ca):
+            admin = await connect(users["admin"], server.url, "admin")
+            await ensure_topology(admin.js)
+            observer = await connect(users["observer"], server.url, "observer")
+            rank = await connect(rank_env, server.url, "rank-w0")
+        beats: list[str] = []
+
+        async def on_msg(raw: Msg) -> None:
+            beats.append(raw.subject)
+
+        await observer.nc.subscribe(HEARTBEAT.wildcard(job=JOB), cb=on_msg)
+        await observer.nc.flush()
+        await rank.publish(HEARTBEAT, beat(JOB, "w0"), traced=False, job=JOB, worker="w0")
+        reg = Registered(job=JOB, worker="w0", role=Role.RANK, host="h", pid=1)
+        await rank.publish(REGISTERED, reg, job=JOB, msg_id="tls-reg")  # JetStream, acknowledged over TLS
+        await wait_for(lambda: bool(beats), "the heartbeat over TLS")
+        assert (await admin.js.stream_info(EVENTS.name)).state.messages == 1
+        for b in (rank, observer, admin):
+            await b.close()
+
+        # A client that does not trust the server's CA (the system's CAs only) is refused at once ...
+        with tls_env(monkeypatch), pytest.raises(ssl.SSLError, match="CERTIFICATE_VERIFY_FAILED"):
+            await asyncio.wait_for(connect(rank_env, server.url, "rank-w0"), WAIT_S)
+        # ... and one that does not speak TLS at all never gets past the server's INFO.
+        got = await asyncio.to_thread(_plaintext_hello, server.port)
+        assert got.startswith(b"INFO ") and b'"tls_required":true' in got and b"PONG" not in got
+    finally:
+        server.cleanup()
+
+
+async def test_mutual_tls_needs_a_client_certificate(
+    tmp_path: Path, pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = NatsServer(
+        store_dir=tmp_path / "nats", tls_cert=pki.server_cert, tls_key=pki.server_key, tls_ca=pki.ca
+    ).start()
+    try:
+        with tls_env(monkeypatch, ca=pki.ca, cert=pki.client_cert, key=pki.client_key):
+            bus = await Bus.connect(server.url, name="mtls", ensure=True)
+        await bus.close()
+        with tls_env(monkeypatch, ca=pki.ca), pytest.raises(ssl.SSLError):
+            await asyncio.wait_for(Bus.connect(server.url, name="no-client-cert", ensure=False), WAIT_S)
+    finally:
+        server.cleanup()
+
+
+async def test_asking_for_tls_from_a_server_without_it_fails(
+    nats_server: NatsServer, pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats.py would go on in clear; Bus.connect refuses that."""
+    with tls_env(monkeypatch, ca=pki.ca), pytest.raises(ssl.SSLError, match="does not offer"):
+        await Bus.connect(nats_server.url, name="wants-tls", ensure=False)

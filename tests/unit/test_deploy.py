@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
+import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -23,8 +26,11 @@ from typing import Any
 import pytest
 from phalanx.services.scheduler_signal.sources import ClusterFile
 
+from phalanx import natsauth
 from phalanx.bus._connection import ENV_NATS_PASSWORD, ENV_NATS_USER
-from phalanx.natsauth import LAUNCHER, RANK
+from phalanx.natsauth import ENV_WORKER_CREDENTIALS, ROLE_OF_SERVICE
+from phalanx.natsserver import find_binary
+from phalanx.runtime.launcher import worker_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -178,7 +184,8 @@ def test_compose_wires_nats_jaeger_and_the_services() -> None:
     compose = yaml.safe_load(_text(DEPLOY / "docker-compose.yml"))
     services = compose["services"]
     assert set(services) == {"nats", "jaeger", "train", *NODES, *SERVICES}
-    assert "--jetstream" in services["nats"]["command"] and services["nats"]["volumes"]
+    assert services["nats"]["command"] == ["nats-server", "--config", "/etc/nats/nats.conf"]
+    assert "nats-data:/data" in services["nats"]["volumes"]  # the store dir of the generated config
     assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
     assert {"16686:16686", "4318:4318"} <= set(services["jaeger"]["ports"])
     for name, module in SERVICES.items():
@@ -429,26 +436,6 @@ def test_disruption_budget_keeps_the_minimum_of_nodes() -> None:
     assert pdb["spec"]["minAvailable"] == needed < job["spec"]["completions"]
 
 
-def test_launcher_and_ranks_log_in_as_their_roles() -> None:
-    # Authorization stays optional (secrets marked optional): with the secrets
-    # created as deploy/README.md says, the launcher logs in as `launcher` and
-    # hands the `rank` credentials to its ranks.
-    container = _train_container(_training()[0])
-    assert {"secretRef": {"name": f"phalanx-{LAUNCHER}", "optional": True}} in container["envFrom"]
-    env = _env(container)
-    library = "".join(_text(p) for p in (ROOT / "libs" / "phalanx").rglob("*.py"))
-    for var, key in (
-        ("PHALANX_NATS_RANK_USER", ENV_NATS_USER),
-        ("PHALANX_NATS_RANK_PASSWORD", ENV_NATS_PASSWORD),
-    ):
-        assert f'"{var}"' in library, var  # what the launcher reads
-        assert env[var]["valueFrom"]["secretKeyRef"] == {
-            "name": f"phalanx-{RANK}",
-            "key": key,
-            "optional": True,
-        }
-
-
 def _expand(word: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion of a command word."""
     return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], word)
@@ -572,3 +559,150 @@ def test_compose_runs_the_sample_job_on_two_node_containers() -> None:
     # the one-launcher form is kept for `--profile single-node`, under another job id
     train = services["train"]
     assert train["profiles"] == ["single-node"] and train["environment"]["PHALANX_JOB"] != flags["--job"]
+
+
+# -- NATS authorization: on by default in both ----------------------------------------------
+# These files cannot run here (no Docker, no Kubernetes): what is checked is that the
+# documented commands write every file and Secret the deployments refer to, that every
+# process gets a login of its own role (each job's launcher: its job's, with one per
+# worker it starts), and that nats-server itself accepts the resulting configurations
+# (`nats-server -t`, the binary the tests use).
+def _documented(text: str, start: str) -> list[str]:
+    """The shell command beginning with ``start`` in ``text`` (comments, continuations joined)."""
+    lines = [re.sub(r"^\s*#?\s*", "", line) for line in text.splitlines()]
+    at = next(i for i, line in enumerate(lines) if line.startswith(start))
+    words = []
+    for line in lines[at:]:
+        words.append(line.rstrip("\\ "))
+        if not line.rstrip().endswith("\\"):
+            break
+    return shlex.split(" ".join(words))
+
+
+def _write(command: list[str], tmp: Path) -> None:
+    """Run a documented ``python -m phalanx.natsauth write ...``, into ``tmp`` instead of deploy/secrets."""
+    assert command[:4] == ["python", "-m", "phalanx.natsauth", "write"], command
+    assert natsauth.main([w.replace("deploy/secrets", str(tmp)) for w in command[3:]]) == 0
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if line)
+
+
+def _nats_server_accepts(conf: Path, **env: str) -> None:
+    check = subprocess.run(
+        [find_binary(), "-c", str(conf), "-t"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **env},
+    )
+    assert check.returncode == 0, check.stderr + check.stdout
+
+
+def _workers_of(command: list[str], env: dict[str, str]) -> tuple[str, list[str]]:
+    """The job a `phalanx run` command joins and the workers its launcher starts."""
+    flags, _ = _run_flags(command)
+    job = flags.get("--job") or env["PHALANX_JOB"]
+    count = int(flags.get("--nproc-per-node", flags.get("--nproc", "0")))
+    count += int(flags.get("--spares-per-node", flags.get("--spares", "0")))
+    qualified = _nnodes(flags.get("--nnodes", "1"))[1] > 1
+    return job, worker_names(flags.get("--node-id", "local"), count, qualified)
+
+
+def test_compose_runs_nats_with_authorization_and_every_container_logs_in(tmp_path: Path) -> None:
+    text = _text(DEPLOY / "docker-compose.yml")
+    command = _documented(text, "python -m phalanx.natsauth write")
+    readme = _text(DEPLOY / "README.md")
+    assert command == _documented(
+        readme, "python -m phalanx.natsauth write --config deploy/secrets/nats.conf"
+    )
+    _write(command, tmp_path)
+    services = _compose()["services"]
+    # the server: the generated config, with authorization, where the command mounts it
+    assert "./secrets/nats.conf:/etc/nats/nats.conf:ro" in services["nats"]["volumes"]
+    conf = (tmp_path / "nats.conf").read_text()
+    assert "authorization" in conf and 'store_dir: "/data"' in conf and "http_port: 8222" in conf
+    assert 'listen: "0.0.0.0:4222"' in conf  # the port compose publishes and the clients use
+    _nats_server_accepts(tmp_path / "nats.conf")
+    # every container that talks to NATS logs in: a service as its role, a launcher as its job's
+    jobs: dict[str, set[str]] = {}
+    for name, svc in services.items():
+        if "NATS_URL" not in svc.get("environment", {}):
+            continue
+        (env_file,) = svc["env_file"]
+        assert env_file.startswith("./secrets/env/"), (name, env_file)
+        login = _env_file(tmp_path / "env" / env_file.removeprefix("./secrets/env/"))
+        assert f'user: "{login[ENV_NATS_USER]}"' in conf and f'"{login[ENV_NATS_PASSWORD]}"' in conf
+        if name in SERVICES:
+            assert login[ENV_NATS_USER] == ROLE_OF_SERVICE[name], name
+            continue
+        job, workers = _workers_of(svc["command"], svc["environment"])
+        assert login[ENV_NATS_USER] == f"launcher@{job}", name
+        jobs.setdefault(job, set()).update(workers)
+        table = json.loads(login[ENV_WORKER_CREDENTIALS])
+        assert set(workers) <= set(table), (name, workers)  # each worker it starts: a login of its own
+        for w in workers:
+            assert table[w]["user"] == f"rank@{job}/{w}" and f'"{table[w]["password"]}"' in conf
+    assert set(jobs) == {"demo", "demo-single"}
+    for job, started in jobs.items():  # and no login for a worker no launcher starts
+        table = json.loads(_env_file(tmp_path / "env" / f"launcher-{job}.env")[ENV_WORKER_CREDENTIALS])
+        assert set(table) == started, job
+    assert 'user: "rank"' not in conf and 'user: "launcher"' not in conf  # none for every job
+
+
+def test_kubernetes_runs_nats_with_authorization_and_every_pod_logs_in(tmp_path: Path) -> None:
+    readme = _text(DEPLOY / "README.md")
+    _write(_documented(readme, "python -m phalanx.natsauth write --authorization-only"), tmp_path)
+    made = {
+        m.group(1): m.group(2) for m in re.finditer(r"create secret generic (\S+) --from-\S+?=(\S+)", readme)
+    }
+    secrets = {name: tmp_path / src.removeprefix("deploy/secrets/") for name, src in made.items()}
+    assert all(p.exists() for p in secrets.values()), secrets
+    # the server: the ConfigMap's config includes the users, projected beside it from nats-auth
+    docs = _docs(K8S / "nats.yaml")
+    conf = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["nats.conf"]
+    assert re.search(r"^include \./auth\.conf$", conf, re.M)
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    config_path = container["args"][container["args"].index("--config") + 1]
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(Path(config_path).parent))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    sources = volume["projected"]["sources"]
+    assert {"key": "nats.conf", "path": Path(config_path).name} in sources[0]["configMap"]["items"]
+    assert sources[1]["secret"] == {"name": "nats-auth", "items": [{"key": "auth.conf", "path": "auth.conf"}]}
+    assert secrets["nats-auth"].name == "auth.conf"
+    (tmp_path / "server").mkdir()
+    (tmp_path / "server" / "nats.conf").write_text(conf)
+    shutil.copy(secrets["nats-auth"], tmp_path / "server" / "auth.conf")
+    _nats_server_accepts(tmp_path / "server" / "nats.conf", SERVER_NAME="nats-0")
+    users = secrets["nats-auth"].read_text()
+    # the services: each its role's login, required
+    for doc in _docs(K8S / "services.yaml"):
+        if doc["kind"] not in ("Deployment", "DaemonSet"):
+            continue
+        (c,) = doc["spec"]["template"]["spec"]["containers"]
+        service = next(n for n, m in SERVICES.items() if c["command"][-1] == f"phalanx.services.{m}")
+        name = f"phalanx-{ROLE_OF_SERVICE[service]}"
+        assert {"secretRef": {"name": name}} in c["envFrom"], service
+        assert _env_file(secrets[name])[ENV_NATS_USER] == ROLE_OF_SERVICE[service]
+    # the training pods: job demo's launcher login, and one per worker any index starts
+    job = _training()[0]
+    train = _train_container(job)
+    flags = _run_flags(train["command"])[0]
+    name = f"phalanx-launcher-{flags['--job']}"
+    assert {"secretRef": {"name": name}} in train["envFrom"]
+    login = _env_file(secrets[name])
+    assert login[ENV_NATS_USER] == f"launcher@{flags['--job']}" and f'"{login[ENV_NATS_PASSWORD]}"' in users
+    started: set[str] = set()
+    for command in (c for where, c in _node_commands().items() if where.startswith("k8s")):
+        started |= set(_workers_of(command, {})[1])
+    table = json.loads(login[ENV_WORKER_CREDENTIALS])
+    assert set(table) == started and all(f'"{t["password"]}"' in users for t in table.values())
+    # every Secret a manifest names is one the README makes
+    named = set()
+    for path in K8S_MANIFESTS:
+        named |= set(re.findall(r"secretRef: \{name: ([\w-]+)", _text(path)))
+        named |= set(re.findall(r"secret:\s+name: ([\w-]+)", _text(path)))
+    assert named == set(made), (named, set(made))
