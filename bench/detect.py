@@ -210,14 +210,14 @@ class SimulatedNodes:
             k: [
                 (
                     self.t0 + self.phase[(k, j)],
-                    b"\x8b" + pk("worker") + pk(sim_worker(k, j)) + pk("pid") + pk(sim_pid(k, j)) + pk("seq"),
+                    b"\x8c" + pk("worker") + pk(sim_worker(k, j)) + pk("pid") + pk(sim_pid(k, j)) + pk("seq"),
                     pk("rank") + pk(k * PER_NODE + j) + pk("generation") + pk(1) + pk("step"),
                     tuple(
                         pk("step_ms") + pk(interval * 800) + pk("phase") + pk(phase)
                         + pk("phase_ms") + pk(self.phase_ms[(k, j)]) + pk("age_ms")
                         for phase in ("compute", "collective")
                     ),
-                    pk("interval_ms") + pk(interval * 1e3),
+                    pk("interval_ms") + pk(interval * 1e3) + pk("collective_bound_ms") + pk(SIM_BOUND_MS),
                 )
                 for j in range(PER_NODE)
             ]
@@ -244,6 +244,7 @@ class SimulatedNodes:
             "phase_ms": self.phase_ms[(k, j)],
             "age_ms": max(0.0, (now - heard) * 1e3),
             "interval_ms": self.interval * 1e3,
+            "collective_bound_ms": SIM_BOUND_MS,
         }
 
     def digest(self, k: int, now: float, ts: float) -> dict[str, Any]:
@@ -327,6 +328,7 @@ class SimulatedNodes:
 _F64 = struct.Struct(">Bd").pack
 _ARRAY = struct.Struct(">B").pack
 SIM_BATCH_S = 0.005
+SIM_BOUND_MS = 2000.0  # the per-op all-reduce timeout a simulated rank reports
 
 
 def _check_payload() -> None:

@@ -12,7 +12,7 @@ with each local worker's latest heartbeat and its age
 (:meth:`Detector.observe_digest`; 2,000 digests instead of 16,000 heartbeats per
 interval at 2,000 nodes x 8 ranks).
 
-Three ways a worker is judged faulty:
+Four ways a worker is judged faulty:
 
 - **process exit** (:meth:`Detector.on_exit`): the launcher saw the process end
   with a non-zero code or a signal -> ``process_exit`` at ``exited_at``. Exit 0 is
@@ -44,6 +44,20 @@ Three ways a worker is judged faulty:
   ``COLLECTIVE`` ranks are victims waiting on a stalled peer and are never judged
   by this rule; nor are ``IDLE`` spares or ``STARTING``/``RECOVERING`` ranks.
   ``fault_at`` is when the stalled phase (or the step in it) began.
+- **collective hang** (:meth:`Detector.tick`): a rank hung inside a collective,
+  heartbeats going on. Each rank runs its gradient all-reduce with a per-op
+  timeout learned from its recent all-reduces and reports it in its heartbeats
+  (``collective_bound_ms``); a healthy rank whose all-reduce timed out goes
+  ``RECOVERING``. A rank is *left behind* when it has been in ``COLLECTIVE``
+  longer than its own bound plus slack (:meth:`Detector.collective_bound`) while a
+  peer of the same job and generation has been seen ``RECOVERING``, that slack
+  ago at least (the other peers, whose timeouts fire about then, must have been
+  heard leaving too): its op should have ended by then, so it is not in a working
+  collective -> ``collective_hang``, ``fault_at`` when it entered ``COLLECTIVE``. Peers that timed out are
+  ``RECOVERING``, so they are never blamed; while every member is still in
+  ``COLLECTIVE`` nobody is judged by this rule (their own timeouts release them).
+  The check shares the stall rule's deadline (a worker is in one phase at a time)
+  and costs nothing until a peer of the generation has left.
 
 A whole node is judged by the same phi-accrual machinery over the arrivals of
 its digests, per ``(job, node, launcher)``: when they stop, one
@@ -68,6 +82,42 @@ The detector never judges while it cannot hear: :meth:`Detector.hold` (the
 service calls it while disconnected from NATS or after its own event loop
 stalled) postpones every verdict and restarts silence clocks from the end of
 the hold, and inter-arrival samples that span a hold are not learned.
+
+Inputs are checked before they count (a forged heartbeat must change nothing):
+
+- **registered pid** (:meth:`Detector.register`): a worker's ``Registered`` event
+  names its pid (and incarnation and launch). A heartbeat or digest entry whose
+  pid is not the registered one is refused; a new pid of a worker is taken only
+  after a ``Registered`` with that pid (a restart registers). A worker heard
+  before its ``Registered`` arrived (the event stream and the heartbeats race; a
+  detector restarted after the registration) is tracked provisionally, under the
+  same sequence rules, and its registration wins: a tracked incarnation of
+  another pid is dropped (no verdict: its exit report still counts).
+- **sequence bound**: a ``seq`` more than ``seq_slack + seq_rate x elapsed /
+  interval`` ahead of the last accepted one is refused (``elapsed`` since that
+  heartbeat, ``interval`` the smaller of the one declared when the incarnation
+  was first heard and the learned one; not applied while the detector holds, nor
+  before an interval is known). The same bound applies to a node's digests.
+- **stale and resync**: a ``seq`` not above the last accepted one is stale and
+  ignored, except one strictly between the last two accepted when they were more
+  than one apart (or below the first one heard): that is a second sender under
+  the same pid, a forger that jumped ahead, and the heartbeat is taken as news
+  and the sequence follows it again (``seq_resyncs``). So a forged jump within
+  the bound blinds the detector until the real sender's next heartbeat at most.
+
+Refused inputs are counted (``Stats.refused_pid``, ``refused_seq``) and queued in
+:attr:`Detector.refused` for the service to log and report.
+
+**Mass silence** (:meth:`Detector.tick`): when a silence verdict (a worker's or a
+node's) comes due, the detector looks one interval ahead: if the members of
+that job whose silence deadlines fall within it cover at least ``mass_ratio`` of
+its tracked workers (and at least ``mass_min``), or of its nodes, it is a
+partition between the ranks and NATS rather than a mass death, and every silence
+verdict of that job is held for ``mass_hold_s`` from then (:class:`MassHold`,
+listed once in :attr:`Detector.mass_holds` for the service to log). Members heard
+again meanwhile are not judged; those still silent after it are (evidence
+``mass_silence``). Process exits are never held, nor are step stalls of ranks
+still heard.
 
 >>> clock = FakeClock()
 >>> det = Detector(DetectorConfig(), clock=clock.monotonic, wall=clock.wall)
@@ -109,6 +159,7 @@ from phalanx.schemas import (
     RankExited,
     RankFailed,
     RankHung,
+    Registered,
 )
 
 __all__ = [
@@ -119,7 +170,9 @@ __all__ = [
     "FakeClock",
     "Incident",
     "IntervalWindow",
+    "MassHold",
     "NodeIncident",
+    "Refusal",
     "Stats",
     "Verdict",
     "digest_row",
@@ -130,9 +183,9 @@ __all__ = [
 ]
 
 Clock = Callable[[], float]
-DigestRow = tuple[str, int, int, int, int, int, float, Phase, float, float, float]
+DigestRow = tuple[str, int, int, int, int, int, float, Phase, float, float, float, float]
 """One digest entry as the detector reads it: ``(worker, pid, seq, rank, generation,
-step, step_ms, phase, phase_ms, age_ms, interval_ms)``, the fields of
+step, step_ms, phase, phase_ms, age_ms, interval_ms, collective_bound_ms)``, the fields of
 :class:`~phalanx.schemas.DigestEntry` in order (a tuple: 16,000 of them per interval)."""
 _LOG10_E = math.log10(math.e)
 _SQRT2 = math.sqrt(2.0)
@@ -163,7 +216,7 @@ def digest_row(e: DigestEntry) -> DigestRow:
     """The :data:`DigestRow` of a validated entry."""
     return (
         e.worker, e.pid, e.seq, e.rank, e.generation, e.step, e.step_ms,
-        e.phase, e.phase_ms, e.age_ms, e.interval_ms,
+        e.phase, e.phase_ms, e.age_ms, e.interval_ms, e.collective_bound_ms,
     )  # fmt: skip
 
 
@@ -304,11 +357,29 @@ class DetectorConfig:
     stall_initial_s: float = 60.0
     """Stall bound before the rank has reported any completed step."""
     step_window: int = 20
+    collective_slack_ratio: float = 0.25
+    collective_slack_intervals: float = 2.0
+    """A rank is left behind in COLLECTIVE once past its reported bound plus a slack,
+    and at least that slack after a peer of its generation left: ``max(
+    collective_slack_ratio x bound, collective_slack_intervals x its heartbeat
+    interval)``, plus its node's digest interval. Peers blocked on the same hung
+    rank time out within about one normal all-reduce of each other (a quarter of the
+    bound with the trainer's factor 4), and their leaving is heard a heartbeat later."""
     digest_slack_ratio: float = 0.5
     """Added to a digest-carried worker's silence deadline, as a fraction of its
     node's digest interval: a heartbeat is seen only with the node's next digest."""
     closed_capacity: int = 100_000
     """Closed incarnations remembered (to drop their late heartbeats and repeated exits)."""
+    seq_slack: int = 5
+    """Heartbeats a sender may be ahead of the time since its last accepted one."""
+    seq_rate: float = 2.0
+    """How many times its own rate a sender's ``seq`` may advance (the bound's slope)."""
+    mass_hold_s: float = 10.0
+    """How long a mass silence holds its job's silence verdicts (0: never held)."""
+    mass_ratio: float = 0.5
+    """Share of a job's tracked workers (or nodes) silent at once that makes a mass silence."""
+    mass_min: int = 2
+    """...and at least this many of them."""
 
     def __post_init__(self) -> None:
         phi_threshold_z(self.phi_threshold)
@@ -323,6 +394,12 @@ class DetectorConfig:
             raise ValueError("std floors must be positive and pause_ratio non-negative")
         if self.stall_floor_s <= 0 or self.stall_factor <= 0 or self.stall_initial_s <= 0:
             raise ValueError("stall bounds must be positive")
+        if self.seq_slack < 1 or not self.seq_rate >= 1.0:
+            raise ValueError("seq_slack >= 1 and seq_rate >= 1 are required")
+        if not self.mass_hold_s >= 0 or not 0 < self.mass_ratio <= 1 or self.mass_min < 1:
+            raise ValueError("mass_hold_s >= 0, 0 < mass_ratio <= 1 and mass_min >= 1 are required")
+        if self.collective_slack_ratio < 0 or self.collective_slack_intervals < 0:
+            raise ValueError("collective slacks must be non-negative")
 
 
 @dataclass(frozen=True)
@@ -419,6 +496,13 @@ class _Beat:
     silence_at: float | None = None
     """When silence is next checked: a node's live heap entry; for a worker, one of the
     two deadlines its single heap entry (``check_at``) stands for."""
+    seq_interval: float = 0.0
+    """The interval declared when the incarnation was first heard, for the sequence
+    bound (0: unknown; a later heartbeat cannot loosen the bound by declaring less)."""
+    gap_from: int | None = None
+    """``last_seq`` before the last accepted advance when that advance skipped numbers
+    (-1: the first one heard), else None: a heartbeat strictly between it and
+    ``last_seq`` is a second sender's (see the module's "stale and resync")."""
 
 
 @dataclass(eq=False, kw_only=True, slots=True)
@@ -462,8 +546,11 @@ class _Worker(_Beat):
     phase_start_wall: float = 0.0
     progress_at: float = 0.0
     progress_wall: float = 0.0
+    bound_ms: float = 0.0
+    """The per-op timeout of its current (or last) all-reduce, as it reported (0: none)."""
     stall_at: float | None = None
-    """When the stall rule is next checked (None: not in COMPUTE when last checked)."""
+    """When the stall rule (in COMPUTE) or the collective-hang rule (in COLLECTIVE, once
+    a peer has left) is next checked (None: neither applied when last checked)."""
     check_at: float | None = None
     """When the worker's one live heap entry fires: ``min(silence_at, stall_at)`` when
     pushed; both may have moved later since (see ``Detector._top_expired``)."""
@@ -480,11 +567,57 @@ class _Worker(_Beat):
         return self.phase_start, self.phase_start_wall
 
 
+@dataclass(slots=True)
+class _Left:
+    """The workers of one (job, generation) heard RECOVERING, and when (monotonic) they left."""
+
+    first: float
+    workers: dict[str, float] = field(default_factory=dict)
+
+
 @dataclass
 class _Membership:
     generation: int = 0
     ranks: dict[str, int] = field(default_factory=dict)
     spares: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class _Registration:
+    pid: int
+    incarnation: int
+    launch: str
+    ts: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A heartbeat, digest entry or digest the detector refused (it changed nothing)."""
+
+    job: str
+    worker: str
+    """The worker, or ``node:<node>`` for a whole digest."""
+    pid: int
+    seq: int
+    reason: str
+    kind: str
+    """``pid`` (not the registered pid) or ``seq`` (beyond the sequence bound)."""
+
+
+@dataclass(slots=True)
+class MassHold:
+    """A mass silence in one job: its silence verdicts are held until ``until``."""
+
+    job: str
+    started: float
+    """Monotonic time the hold began (the first member's silence verdict came due)."""
+    until: float
+    workers: int
+    """Workers whose silence was due within the window when it began..."""
+    nodes: int
+    """...and nodes."""
+    tracked_workers: int
+    tracked_nodes: int
 
 
 @dataclass
@@ -508,6 +641,20 @@ class Stats:
     nodes_lost: int = 0
     nodes_left: int = 0
     """Nodes that fell silent with no worker in their last digest: forgotten, no verdict."""
+    registrations: int = 0
+    stale_registrations: int = 0
+    """Registrations older than the known one, or of a closed incarnation: ignored."""
+    displaced: int = 0
+    """Tracked incarnations dropped because the worker registered another pid."""
+    refused_pid: int = 0
+    """Heartbeats and digest entries whose pid is not the worker's registered one."""
+    refused_seq: int = 0
+    """Heartbeats, digest entries and digests whose seq was beyond the sequence bound."""
+    seq_resyncs: int = 0
+    """Heartbeats that showed a second sender under one pid (see "stale and resync")."""
+    mass_holds: int = 0
+    mass_held: int = 0
+    """Verdicts published after a mass-silence hold (their members stayed silent)."""
 
 
 class Detector:
@@ -543,6 +690,20 @@ class Detector:
         self._closed: OrderedDict[str, str] = OrderedDict()
         self._members: dict[str, _Membership] = {}
         self._hold_until = -math.inf
+        self._seq_slack, self._seq_rate = c.seq_slack, c.seq_rate
+        self._mass_hold_s = c.mass_hold_s
+        self._registered: dict[tuple[str, str], _Registration] = {}
+        self.refused: list[Refusal] = []
+        """Inputs refused since the service last took them (:meth:`take_refused`)."""
+        self._mass: dict[str, MassHold] = {}
+        """job -> its latest mass-silence hold (kept after it ends: verdicts say they were held)."""
+        self._mass_checked: dict[str, float] = {}
+        """job -> until when its last "no mass silence" finding stands (the check costs a heap walk)."""
+        self.mass_holds: list[MassHold] = []
+        """Holds begun since the service last took them (:meth:`take_mass_holds`)."""
+        self._left: dict[tuple[str, int], _Left] = {}
+        """(job, generation) -> the workers heard RECOVERING in that generation: the
+        peers that left its collectives."""
 
     # -- introspection -------------------------------------------------------------
     def __len__(self) -> int:
@@ -555,6 +716,25 @@ class Detector:
 
     def is_closed(self, job: str, worker: str, pid: int) -> bool:
         return incident_id(job, worker, pid) in self._closed
+
+    def registered_pid(self, job: str, worker: str) -> int | None:
+        """The pid ``worker`` last registered, None if no registration was heard."""
+        reg = self._registered.get((job, worker))
+        return reg.pid if reg is not None else None
+
+    def mass_hold(self, job: str) -> MassHold | None:
+        """``job``'s latest mass-silence hold (it may have ended: see ``until``)."""
+        return self._mass.get(job)
+
+    def take_refused(self) -> list[Refusal]:
+        """The inputs refused since the last call (for the service to log and report)."""
+        out, self.refused = self.refused, []
+        return out
+
+    def take_mass_holds(self) -> list[MassHold]:
+        """The mass-silence holds begun since the last call (for the service to log)."""
+        out, self.mass_holds = self.mass_holds, []
+        return out
 
     def nodes(self) -> Iterator[tuple[str, str, str]]:
         """(job, node, launcher) of every tracked node."""
@@ -599,6 +779,7 @@ class Detector:
             "stall_ms": (now - w.stall_since[0]) * 1e3,
             "stall_bound_ms": self.stall_bound(w) * 1e3,
             "phi": self._phi_now(w, now),
+            "registered": (r := self._registered.get(w.key)) is not None and r.pid == w.pid,
         }
 
     @property
@@ -607,19 +788,26 @@ class Detector:
 
     # -- inputs --------------------------------------------------------------------
     def observe(self, hb: Heartbeat) -> bool:
-        """Learn from one heartbeat; returns False when it was ignored.
+        """Learn from one heartbeat; returns False when it was ignored or refused.
 
         A heartbeat is ignored when its incarnation was closed (a verdict, a clean
-        exit or a plan removed it) or its ``seq`` is not newer than the last one.
+        exit or a plan removed it) or its ``seq`` is stale; it is refused (counted
+        and queued in :attr:`refused`) when its pid is not the worker's registered
+        one or its ``seq`` is beyond the bound (the module's "Inputs are checked").
         """
         now = self.clock()
         key = (hb.job, hb.worker)
         w = self._tracked.get(key)
+        closed = False
+        if w is None or w.pid != hb.pid:
+            closed = incident_id(hb.job, hb.worker, hb.pid) in self._closed
+            if not closed and self._wrong_pid(hb.job, hb.worker, hb.pid, hb.seq, "heartbeat"):
+                return False
         if hb.phase is Phase.DONE:  # a clean goodbye: the silence that follows is no fault
             self._goodbye(hb.job, hb.worker, hb.pid)
             return True
         if w is None or w.pid != hb.pid:
-            if incident_id(hb.job, hb.worker, hb.pid) in self._closed:
+            if closed:
                 self.stats.ignored_heartbeats += 1
                 return False
             w = self._new_worker(
@@ -628,9 +816,22 @@ class Detector:
             )  # fmt: skip
             fresh = True
         elif hb.seq <= w.last_seq:
-            self.stats.ignored_heartbeats += 1
-            return False
+            gap = w.gap_from
+            if gap is None or not gap < hb.seq < w.last_seq:
+                self.stats.ignored_heartbeats += 1
+                return False
+            # a second sender under this pid jumped ahead: follow the one below again
+            self.stats.seq_resyncs += 1
+            w.gap_from = None
+            w.last_arrival, w.last_wall, w.last_seq = now, self.wall(), hb.seq
+            w.declared_s = hb.interval_ms / 1e3
+            fresh = False
         else:
+            ahead = hb.seq - w.last_seq
+            what = "heartbeat"
+            if ahead > self._seq_slack and self._seq_refused(w, hb.seq, now, what):
+                return False
+            w.gap_from = w.last_seq if ahead > 1 else None
             if w.last_arrival >= self._hold_until:  # a sample that spans a hold is not learned
                 w.intervals.add(now - w.last_arrival)
             w.last_arrival, w.last_wall, w.last_seq = now, self.wall(), hb.seq
@@ -638,6 +839,7 @@ class Detector:
             fresh = False
         self.stats.heartbeats += 1
         w.rank, w.generation, w.host = hb.rank, hb.generation, hb.host
+        w.bound_ms = hb.collective_bound_ms
         self._learn_progress(w, hb.phase, hb.phase_ms, hb.step, hb.step_ms, now, hb.ts, fresh)
         self._schedule(w)
         return True
@@ -683,12 +885,24 @@ class Detector:
                 node=node,
                 launcher=launcher,
                 host=host,
+                seq_interval=interval,
+                gap_from=-1,
             )
             self._nodes[key] = n
         elif seq <= n.last_seq:
-            self.stats.ignored_digests += 1
-            return False
+            gap = n.gap_from
+            if gap is None or not gap < seq < n.last_seq:
+                self.stats.ignored_digests += 1
+                return False
+            self.stats.seq_resyncs += 1  # a second sender as this launcher jumped ahead (see observe)
+            n.gap_from = None
+            n.last_arrival, n.last_wall, n.last_seq = now, wall, seq
+            n.declared_s = interval
         else:
+            ahead = seq - n.last_seq
+            if ahead > self._seq_slack and self._seq_refused(n, seq, now, "digest"):
+                return False
+            n.gap_from = n.last_seq if ahead > 1 else None
             if n.last_arrival >= self._hold_until:
                 n.intervals.add(now - n.last_arrival)
             n.last_arrival, n.last_wall, n.last_seq = now, wall, seq
@@ -699,6 +913,15 @@ class Detector:
         workers = [(r[0], r[1]) for r in rows if r[7] is not done]
         if workers != n.workers:  # (usually the same workers as last time: nobody left)
             listed = {(r[0], r[1]) for r in rows}
+            reg, kept = self._registered, []
+            for worker, pid in workers:
+                r = reg.get((job, worker))
+                if r is None or r.pid == pid:
+                    kept.append((worker, pid))
+                elif (worker, r.pid) in n.workers:  # an entry of another pid (refused below): as it was
+                    kept.append((worker, r.pid))
+                    listed.add((worker, r.pid))
+            workers = kept
             for worker, pid in n.workers:
                 w = self._tracked.get((job, worker))
                 if (worker, pid) not in listed and w is not None and w.pid == pid and w.node == key:
@@ -711,14 +934,25 @@ class Detector:
         # whose entry moved on. Anything else takes _observe_entry.
         heard = 0
         tracked, hold = self._tracked, self._hold_until
+        slack = self._seq_slack
+        recovering = Phase.RECOVERING
         for row in rows:
-            worker, pid, seq, rank, generation, step, step_ms, phase, phase_ms, age_ms, interval_ms = row
+            worker, pid, seq, rank, generation, step, step_ms, phase, phase_ms, age_ms, interval_ms, bound = (
+                row
+            )
             w = tracked.get((job, worker))
             age = age_ms / 1e3
             at, at_wall = now - age, wall - age  # when the launcher received the heartbeat
             if w is None or w.pid != pid or seq <= w.last_seq or phase is done:
                 heard += self._observe_entry(n, row, w, at, at_wall, interval)
                 continue
+            ahead = seq - w.last_seq
+            if ahead > 1:  # (the sequence bound, and remember the gap: see observe)
+                if ahead > slack and self._seq_refused(w, seq, now, "digest entry"):
+                    continue
+                w.gap_from = w.last_seq
+            else:
+                w.gap_from = None
             last = w.last_arrival
             if last >= hold:  # one sample per heartbeat the entry moved on by
                 w.intervals.add((at - last if at > last else 0.0) / (seq - w.last_seq))
@@ -726,11 +960,14 @@ class Detector:
             w.declared_s = interval_ms / 1e3 or interval  # its own interval when the launcher knows it
             w.node, w.digest_s = key, interval
             w.rank, w.generation, w.host = rank, generation, n.host
+            w.bound_ms = bound
             # what _learn_progress(..., fresh=False) does, inline (keep the two in step)
             if phase is not w.phase or phase_ms < w.phase_ms:
                 w.phase = phase
                 w.phase_start = at - phase_ms / 1e3
                 w.phase_start_wall = at_wall - phase_ms / 1e3
+                if phase is recovering:
+                    self._mark_left(w)
             w.phase_ms = phase_ms
             if step > w.step:
                 if step_ms > 0:
@@ -803,7 +1040,36 @@ class Detector:
             w = self._tracked.pop((plan.job, name), None)
             if w is not None:
                 self._close(incident_id(w.job, w.worker, w.pid), f"removed_gen{plan.generation}")
+        for key in [k for k in self._left if k[0] == plan.job and k[1] < plan.generation - 1]:
+            del self._left[key]  # (the last generation's stay: a reform may come before a verdict)
         return True
+
+    def register(self, reg: Registered) -> tuple[str, int | None]:
+        """Learn the pid ``reg.worker`` runs as (the ``Registered`` events, in stream order).
+
+        Returns what it changed and the pid of a tracked incarnation it dropped:
+        ``new`` (the worker's first registration heard), ``same`` (the pid it had),
+        ``replaced`` (another pid before: a restart), or ``stale`` (an incarnation
+        already closed: ignored). A tracked incarnation of another pid (heard before
+        this registration, or an older process) is dropped without a verdict; its
+        exit report still makes one.
+        """
+        key = (reg.job, reg.worker)
+        if incident_id(reg.job, reg.worker, reg.pid) in self._closed:
+            self.stats.stale_registrations += 1
+            return "stale", None
+        self.stats.registrations += 1
+        cur = self._registered.pop(key, None)  # (re-inserted last: the oldest are evicted first)
+        self._registered[key] = _Registration(reg.pid, reg.incarnation, reg.launch, reg.ts)
+        while len(self._registered) > self.config.closed_capacity:
+            del self._registered[next(iter(self._registered))]
+        dropped = None
+        w = self._tracked.get(key)
+        if w is not None and w.pid != reg.pid:
+            del self._tracked[key]
+            self.stats.displaced += 1
+            dropped = w.pid
+        return ("new" if cur is None else "same" if cur.pid == reg.pid else "replaced"), dropped
 
     def hold(self, until: float) -> None:
         """Judge nobody before ``until`` (monotonic) and measure silence from then on.
@@ -825,19 +1091,31 @@ class Detector:
         return self._top_expired(self.clock()) is not None
 
     def tick(self) -> list[Verdict]:
-        """Every verdict whose time has come, in deadline order. O(expired)."""
+        """Every verdict whose time has come, in deadline order. O(expired).
+
+        A silence verdict that is part of a mass silence is held instead (see the
+        module's "Mass silence"): it comes due again when the hold ends.
+        """
         now = self.clock()
         out: list[Verdict] = []
         while (entry := self._top_expired(now)) is not None:
             heapq.heappop(self._heap)
             kind, b = entry
+            if self._mass_hold_s > 0.0 and (until := self._mass_hold(kind, b, now)) is not None:
+                self._defer(kind, b, until)
+                continue
+            decided = len(out)
             if isinstance(b, _Node):
                 if (lost := self._node_verdict(b, now)) is not None:
                     out.append(lost)
             elif kind is _Kind.SILENCE:
                 out.append(self._silence_verdict(b, now))
+            elif b.phase is Phase.COLLECTIVE:
+                out.append(self._hang_verdict(b, now))
             else:
                 out.append(self._stall_verdict(b, now))
+            if self._mass and len(out) > decided:
+                self._mark_held(out[-1], kind, b, now)
         return out
 
     def stall_bound(self, w: _Worker) -> float:
@@ -847,7 +1125,189 @@ class Detector:
             return max(c.stall_floor_s, c.stall_initial_s)
         return max(c.stall_floor_s, c.stall_factor * w.max_step_ms / 1e3)
 
+    def collective_bound(self, w: _Worker) -> float:
+        """Seconds a rank may stay in COLLECTIVE once a peer of its generation has left:
+        the per-op timeout it reported plus :meth:`_collective_slack`."""
+        return w.bound_ms / 1e3 + self._collective_slack(w)
+
+    def _collective_slack(self, w: _Worker) -> float:
+        """How late a rank may leave after its own timeout, or after a peer left, and be
+        heard: the spread of peers' timeouts (a gloo timeout restarts with each
+        partial transfer, about one normal all-reduce, <= bound / factor) and the
+        heartbeat (and digest) that says so."""
+        c = self.config
+        bound = w.bound_ms / 1e3
+        slack = max(c.collective_slack_ratio * bound, c.collective_slack_intervals * w.declared_s)
+        return slack + (w.digest_s if w.node is not None else 0.0)
+
     # -- internals -----------------------------------------------------------------
+    def _wrong_pid(self, job: str, worker: str, pid: int, seq: int, what: str) -> bool:
+        """Whether ``worker`` registered a pid other than ``pid`` (then refused)."""
+        reg = self._registered.get((job, worker))
+        if reg is None or reg.pid == pid:
+            return False
+        self.stats.refused_pid += 1
+        why = f"{what} of {job}/{worker} from pid {pid}: registered pid is {reg.pid}"
+        self._refuse(job, worker, pid, seq, why, "pid")
+        return True
+
+    def _seq_refused(self, b: _Worker | _Node, seq: int, now: float, what: str) -> bool:
+        """Whether ``seq`` is beyond the sequence bound of ``b`` (then refused).
+
+        The bound is ``seq_slack + seq_rate x elapsed / interval`` past ``b.last_seq``:
+        ``elapsed`` since its last accepted heartbeat (or digest), ``interval`` the
+        smaller of the one declared when it was first heard and the learned one. It
+        does not apply before an interval is known, nor while the detector holds (time
+        says nothing about what the sender did then).
+        """
+        if b.last_arrival < self._hold_until:
+            return False
+        iv = b.seq_interval
+        samples = b.intervals
+        if len(samples) >= self._min_samples:
+            mean = samples.mean
+            if mean > 0.0 and (iv <= 0.0 or mean < iv):
+                iv = mean
+        if iv <= 0.0:
+            return False
+        elapsed = now - b.last_arrival
+        bound = self._seq_slack + self._seq_rate * (elapsed if elapsed > 0.0 else 0.0) / iv
+        ahead = seq - b.last_seq
+        if ahead <= bound:
+            return False
+        self.stats.refused_seq += 1
+        if isinstance(b, _Node):
+            worker, pid = f"node:{b.node}", -1
+        else:
+            worker, pid = b.worker, b.pid
+        self._refuse(
+            b.job, worker, pid, seq,
+            f"{what} of {b.job}/{worker[5:] if pid < 0 else worker}: seq {seq} is {ahead} past "
+            f"{b.last_seq} after {elapsed * 1e3:.0f} ms (at most {bound:.1f} at {iv * 1e3:.0f} ms each)",
+            "seq",
+        )  # fmt: skip
+        return True
+
+    def _refuse(self, job: str, worker: str, pid: int, seq: int, reason: str, kind: str) -> None:
+        if len(self.refused) < 10_000:  # (the service takes them after every input)
+            self.refused.append(Refusal(job, worker, pid, seq, reason, kind))
+
+    def _mass_hold(self, kind: _Kind, b: _Worker | _Node, now: float) -> float | None:
+        """Until when the verdict on ``b``, due now, is held as part of a mass silence
+        in its job; None to judge it now."""
+        job = b.job
+        rec = self._mass.get(job)
+        if kind is _Kind.STALL:  # a rank still heard is judged as usual; a silent one waits with the rest
+            held = rec is not None and now < rec.until and b.last_arrival <= rec.started
+            return rec.until if held and rec is not None else None
+        if isinstance(b, _Node) and not b.workers:
+            return None  # a launcher that finished: forgotten, no verdict to hold
+        if rec is not None:
+            if now < rec.until:
+                return rec.until
+            if self._silence_deadline(b) <= rec.until:
+                return None  # silent through the hold: judged now (and the verdict says so)
+        if now < self._mass_checked.get(job, -math.inf):
+            return None
+        # One interval: members cut off together (their last heartbeats within one interval)
+        # come due within it; one still heard is at least ~1.3 intervals from its deadline.
+        self._fresh(b)
+        window = b.mean_s
+        workers, nodes = self._silent_within(job, b, now + window)
+        c = self.config
+        if len(workers) >= c.mass_min or len(nodes) >= c.mass_min:
+            tracked_workers = sum(1 for k in self._tracked if k[0] == job)
+            tracked_nodes = sum(1 for k in self._nodes if k[0] == job)
+            if (len(workers) >= c.mass_min and len(workers) >= c.mass_ratio * tracked_workers) or (
+                len(nodes) >= c.mass_min and len(nodes) >= c.mass_ratio * tracked_nodes
+            ):
+                until = now + self._mass_hold_s
+                rec = MassHold(job, now, until, len(workers), len(nodes), tracked_workers, tracked_nodes)
+                self._mass[job] = rec
+                self.mass_holds.append(rec)
+                self.stats.mass_holds += 1
+                return rec.until
+        self._mass_checked[job] = now + window / 2  # (a mass silence shows at its first verdict)
+        return None
+
+    def _silent_within(self, job: str, first: _Worker | _Node, horizon: float) -> tuple[set[str], set[str]]:
+        """Workers and nodes of ``job`` whose silence deadline is ``horizon`` or earlier
+        (``first``, just popped from the heap, included). Walks the heap's entries up
+        to ``horizon`` (a heap entry is never later than its deadline)."""
+        tracked, known = self._tracked, self._nodes
+        workers: set[str] = set()
+        nodes: set[str] = set()
+
+        def add(x: _Worker | _Node) -> None:
+            if isinstance(x, _Node):
+                if x.workers:
+                    nodes.add(x.node)
+                    workers.update(w for w, _ in x.workers if (job, w) in tracked)
+            else:
+                workers.add(x.worker)
+
+        add(first)
+        heap = self._heap
+        size = len(heap)
+        stack = [0] if size else []
+        while stack:
+            i = stack.pop()
+            at, _, kind, key, token = heap[i]
+            if at > horizon:
+                continue
+            j = 2 * i + 1
+            if j < size:
+                stack.append(j)
+                if j + 1 < size:
+                    stack.append(j + 1)
+            if key[0] != job:
+                continue
+            x: _Worker | _Node | None = known.get(key) if kind is _Kind.NODE else tracked.get(key)
+            if x is not None and x.token == token and self._silence_deadline(x) <= horizon:
+                add(x)
+        return workers, nodes
+
+    def _defer(self, kind: _Kind, b: _Worker | _Node, until: float) -> None:
+        """Put the verdict on ``b``, due now, off until ``until`` (checked again then)."""
+        if isinstance(b, _Node):
+            b.silence_at = until
+            self._push(until, _Kind.NODE, b)
+            return
+        if kind is _Kind.SILENCE:
+            b.silence_at = until
+        else:
+            b.stall_at = until
+        silence_at, stall_at = b.silence_at, b.stall_at
+        if stall_at is not None and (silence_at is None or stall_at < silence_at):
+            b.check_at = stall_at
+            self._push(stall_at, _Kind.STALL, b)
+        else:
+            b.check_at = at = silence_at if silence_at is not None else until
+            self._push(at, _Kind.SILENCE, b)
+
+    def _held_until(self, job: str) -> float:
+        rec = self._mass.get(job)
+        return rec.until if rec is not None else -math.inf
+
+    def _mark_held(self, v: Verdict, kind: _Kind, b: _Worker | _Node, now: float) -> None:
+        """Say in ``v``'s evidence that it was held as a mass silence, if it was."""
+        rec = self._mass.get(v.job)
+        if rec is None or now < rec.until:
+            return
+        if kind is _Kind.STALL:
+            if b.last_arrival > rec.started:
+                return
+        elif self._silence_deadline(b) > rec.until:
+            return
+        v.evidence.update(
+            mass_silence=True,
+            mass_hold_ms=round((rec.until - rec.started) * 1e3, 1),
+            mass_silent_workers=rec.workers,
+            mass_silent_nodes=rec.nodes,
+            mass_tracked_workers=rec.tracked_workers,
+        )
+        self.stats.mass_held += 1
+
     def _goodbye(self, job: str, worker: str, pid: int) -> None:
         iid = incident_id(job, worker, pid)
         if iid not in self._closed:
@@ -862,21 +1322,37 @@ class Detector:
     ) -> bool:
         """A digest entry off the hot path: a goodbye, no news, or a new incarnation.
         True when it carried a new heartbeat."""
-        worker, pid, seq, rank, generation, step, step_ms, phase, phase_ms, _, interval_ms = row
+        worker, pid, seq, rank, generation, step, step_ms, phase, phase_ms, _, interval_ms, bound_ms = row
+        closed = False
+        if w is None or w.pid != pid:
+            closed = incident_id(n.job, worker, pid) in self._closed
+            if not closed and self._wrong_pid(n.job, worker, pid, seq, "digest entry"):
+                return False
         if phase is Phase.DONE:
             self._goodbye(n.job, worker, pid)
             return False
-        if w is not None and w.pid == pid:  # no news (news took the hot path)
-            # a verdict deferred while the node was silent is due again
+        if w is not None and w.pid == pid:
+            gap = w.gap_from
+            if gap is not None and gap < seq < w.last_seq:  # a second sender jumped ahead (see observe)
+                self.stats.seq_resyncs += 1
+                w.gap_from = None
+                last = w.last_arrival
+                w.last_arrival, w.last_wall, w.last_seq = (at if at > last else last), at_wall, seq
+                w.rank, w.generation, w.bound_ms = rank, generation, bound_ms
+                self._learn_progress(w, phase, phase_ms, step, step_ms, at, at_wall, False)
+                self._schedule_worker(w)
+                return True
+            # no news (news took the hot path): a verdict deferred while the node was silent is due again
             if w.silence_at is not None and self._silence_deadline(w) < w.silence_at:
                 w.silence_at = None
                 self._schedule_worker(w)
             return False
-        if incident_id(n.job, worker, pid) in self._closed:
+        if closed:
             return False
         interval = interval_ms / 1e3 or digest_s
         w = self._new_worker(n.job, worker, pid, n.host, rank, generation, step, seq, interval, at, at_wall)
-        w.node, w.digest_s = n.key, digest_s
+        w.node, w.digest_s, w.bound_ms = n.key, digest_s, bound_ms
+        w.seq_interval = interval_ms / 1e3  # (0 when the launcher does not know it: learned first)
         self._learn_progress(w, phase, phase_ms, step, step_ms, at, at_wall, True)
         self._schedule_worker(w)
         return True
@@ -910,6 +1386,8 @@ class Detector:
             intervals=IntervalWindow(self.config.window),
             steps=deque(maxlen=self.config.step_window),
             step=step,
+            seq_interval=declared_s,
+            gap_from=-1,
         )
         self._tracked[w.key] = w
         return w
@@ -930,6 +1408,8 @@ class Detector:
             w.phase = phase
             w.phase_start = at - phase_ms / 1e3
             w.phase_start_wall = at_wall - phase_ms / 1e3
+            if phase is Phase.RECOVERING:  # it left this generation's collectives
+                self._mark_left(w)
         w.phase_ms = phase_ms
         if step > w.step:
             if step_ms > 0:
@@ -1001,6 +1481,37 @@ class Detector:
                 if check is None or at < check:
                     w.check_at = at
                     self._push(at, _Kind.STALL, w)
+        elif self._left and w.phase is Phase.COLLECTIVE and w.bound_ms > 0.0:
+            hang_at = self._hang_at(w)
+            stall_at = w.stall_at
+            if hang_at is not None and (stall_at is None or hang_at < stall_at):
+                w.stall_at = hang_at
+                if check is None or hang_at < check:
+                    w.check_at = hang_at
+                    self._push(hang_at, _Kind.STALL, w)
+
+    def _mark_left(self, w: _Worker) -> None:
+        left = self._left.get((w.job, w.generation))
+        if left is None:
+            left = self._left[(w.job, w.generation)] = _Left(w.phase_start)
+        if w.worker not in left.workers:
+            left.workers[w.worker] = w.phase_start
+            left.first = min(left.first, w.phase_start)
+
+    def _hang_at(self, w: _Worker) -> float | None:
+        """When a rank in COLLECTIVE is left behind: its bound and slack after it entered
+        the phase, and no sooner than slack after the first peer left (the others, whose
+        timeouts fire about then, must be heard leaving too); None while no peer of its
+        generation has left, or it reports no bound."""
+        if w.phase is not Phase.COLLECTIVE or w.bound_ms <= 0.0:
+            return None
+        left = self._left.get((w.job, w.generation))
+        if left is None or (len(left.workers) == 1 and w.worker in left.workers):
+            return None
+        slack = self._collective_slack(w)
+        at = w.phase_start + w.bound_ms / 1e3 + slack
+        after_peer = left.first + slack
+        return at if at > after_peer else after_peer
 
     def _slack(self, w: _Worker, mean: float) -> float:
         if w.node is None:
@@ -1096,7 +1607,11 @@ class Detector:
             if stall_at is not None and (silence_at is None or stall_at < silence_at):
                 kind = _Kind.STALL
                 real_stall: float | None
-                if w.phase is not Phase.COMPUTE:
+                if w.phase is Phase.COLLECTIVE:  # the collective-hang rule
+                    real_stall = self._hang_at(w)
+                    if real_stall is not None and w.last_arrival < self._hold_until:
+                        real_stall = now + w.declared_s  # as below
+                elif w.phase is not Phase.COMPUTE:
                     real_stall = None
                 elif w.last_arrival < self._hold_until:
                     real_stall = now + w.declared_s  # wait for a heartbeat after the hold to confirm
@@ -1105,7 +1620,7 @@ class Detector:
                 if real_stall is not None and real_stall <= now:
                     node = self._node_overdue(w, now)
                     if node is not None:  # no news of the node either: its verdict (or next digest) decides
-                        real_stall = max(self._silence_deadline(node), now + 1e-3)
+                        real_stall = max(self._silence_deadline(node), self._held_until(node.job), now + 1e-3)
                     if real_stall <= now:
                         return kind, w
                 w.stall_at = stall_at = real_stall
@@ -1118,12 +1633,14 @@ class Detector:
                 if real <= now:
                     node = self._node_overdue(w, now)
                     if node is not None:  # no news of the node either: its verdict (or next digest) decides
-                        real = max(self._silence_deadline(node), now + 1e-3)
+                        real = max(self._silence_deadline(node), self._held_until(node.job), now + 1e-3)
                     if real <= now:
                         return kind, w
                 w.silence_at = silence_at = real
                 if stall_at is not None and stall_at > now:  # (one that is due is checked on its own)
-                    if w.phase is not Phase.COMPUTE:
+                    if w.phase is Phase.COLLECTIVE:
+                        w.stall_at = stall_at = self._hang_at(w)
+                    elif w.phase is not Phase.COMPUTE:
                         w.stall_at = stall_at = None
                     elif last >= hold:  # (stall_since and stall_bound, inline)
                         since = w.progress_at if w.progress_at > w.phase_start else w.phase_start
@@ -1222,6 +1739,33 @@ class Detector:
         }
         return self._verdict(
             Incident(w.job, w.worker, w.pid, rank, generation, FaultCause.STEP_STALL, since_wall, evidence),
+            w,
+        )
+
+    def _hang_verdict(self, w: _Worker, now: float) -> Incident:
+        rank, generation = self._rank_of(w.job, w.worker, w)
+        left = self._left.get((w.job, w.generation))
+        peers = sorted(p for p in left.workers if p != w.worker) if left is not None else []
+        first = left.first if left is not None else now
+        since = w.phase_start_wall
+        evidence: Evidence = {
+            "phase": w.phase.value,
+            "phase_ms": round((now - w.phase_start) * 1e3, 1),
+            "reported_phase_ms": round(w.phase_ms, 1),
+            "bound_ms": round(w.bound_ms, 1),
+            "slack_ms": round(self._collective_slack(w) * 1e3, 1),
+            "peers_left": ",".join(peers[:8]) + (",..." if len(peers) > 8 else ""),
+            "peers_left_count": len(peers),
+            "first_left_ms": round((now - first) * 1e3, 1),
+            "step": w.step,
+            "last_seq": w.last_seq,
+            "phi": self._phi_now(w, now),
+            "host": w.host,
+        }
+        if w.node is not None:
+            evidence["node"] = w.node[1]
+        return self._verdict(
+            Incident(w.job, w.worker, w.pid, rank, generation, FaultCause.COLLECTIVE_HANG, since, evidence),
             w,
         )
 

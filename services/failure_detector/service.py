@@ -12,6 +12,10 @@ It listens to
   ``failure-detector-exits``: the launcher's fast crash path);
 - plans, ``phalanx.cmd.<job>.plan`` (JetStream, durable consumer
   ``failure-detector-plans``: membership, generation, removed workers);
+- registrations, ``phalanx.evt.<job>.registered`` (JetStream, durable consumer
+  ``failure-detector-registrations``: the pid each worker runs as; a heartbeat or
+  digest entry from another pid is refused, see :mod:`.detector`, "Inputs are
+  checked");
 
 and publishes one verdict per incident: :class:`~phalanx.schemas.RankFailed` on
 ``phalanx.evt.<job>.failed`` (a process exited non-zero or by a signal) or
@@ -30,7 +34,23 @@ A tick loop asks the detector for expired deadlines. Before it judges, it makes
 sure every heartbeat the server already sent has been observed (a PING/PONG
 round trip, then the subscriptions' queues drained), so a detector that was
 itself slow does not blame the ranks. While disconnected from NATS, or after its
-own event loop stalled, it holds all verdicts (:meth:`Detector.hold`).
+own event loop stalled, it holds all verdicts (:meth:`Detector.hold`). When half a
+job goes silent at once it holds that job's silence verdicts
+(``mass_silence_hold`` in the log; :mod:`.detector`, "Mass silence").
+
+Refused input (a heartbeat from a pid the worker did not register, a sequence
+number beyond the bound, a message on the wrong subject, one that does not
+decode) changes nothing; it is counted (health: ``decode_errors``,
+``refused_pid``, ``refused_seq``) and reported as an ``ErrorEvent`` on
+``phalanx.err.failure-detector``, rate-limited per subject pattern with a summary
+of what was held back (:meth:`Bus.report_bad_input`), so a flood of bad messages
+neither blocks the heartbeats behind it nor floods the error stream.
+
+Replicas: two or more detectors may run for the same jobs. Each verdict's
+``Nats-Msg-Id`` is its incident id, so JetStream stores it once, whichever
+replica decides first; each replica needs durable consumers of its own
+(``PHALANX_DETECTOR_REPLICA``), or they would split the exits, plans and
+registrations between them.
 
 Configuration (environment; a bad value stops start-up with a ValueError):
 
@@ -58,6 +78,13 @@ Configuration (environment; a bad value stops start-up with a ValueError):
 - ``PHALANX_DETECTOR_JOB`` (all jobs): watch one job only.
 - ``PHALANX_DETECTOR_EXIT_MAX_AGE_S`` (3600): exit reports older than this (a
   first start over an old stream) are logged, not judged.
+- ``PHALANX_DETECTOR_REPLICA`` (empty): this replica's name, a plain name (letters,
+  digits, ``-``, ``_``; at most 32). It goes into the durable consumer names
+  (``failure-detector-exits-<replica>``...), so every replica sees every exit, plan
+  and registration; empty keeps the names of a single detector.
+- ``PHALANX_DETECTOR_MASS_HOLD_S`` (10): how long a mass silence (at least half of
+  a job's tracked workers, or of its nodes, and at least 2, silent within one
+  interval) holds that job's silence verdicts; 0 never holds.
 
 Run it with ``python -m phalanx.services.failure_detector``.
 """
@@ -66,7 +93,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -86,8 +115,28 @@ from phalanx.services.failure_detector.detector import (
 from phalanx.services.failure_detector.wire import read_digest
 
 from phalanx.bus import COMMANDS, EVENTS, Bus
-from phalanx.bus.subjects import EXITED, FAILED, HEARTBEAT, HUNG, NODE_DIGEST, NODE_LOST, PLAN, Subject
-from phalanx.schemas import DecodeError, FaultCause, Heartbeat, Message, NodeDigest, Plan, RankExited, decode
+from phalanx.bus.subjects import (
+    EXITED,
+    FAILED,
+    HEARTBEAT,
+    HUNG,
+    NODE_DIGEST,
+    NODE_LOST,
+    PLAN,
+    REGISTERED,
+    Subject,
+)
+from phalanx.schemas import (
+    DecodeError,
+    FaultCause,
+    Heartbeat,
+    Message,
+    NodeDigest,
+    Plan,
+    RankExited,
+    Registered,
+    decode,
+)
 from phalanx.service import Service
 from phalanx.telemetry import extract_context
 
@@ -109,6 +158,22 @@ def _num(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def _non_negative(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number") from exc
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{name}={raw!r} must be a non-negative number")
+    return value
+
+
+_REPLICA = re.compile(r"[A-Za-z0-9_-]{1,32}")
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """The detector's tuning plus the service's own timing."""
@@ -121,6 +186,25 @@ class ServiceConfig:
     drain_timeout_s: float = 0.5
     job: str | None = None
     exit_max_age_s: float = 3600.0
+    replica: str = ""
+    """This replica's name in its durable consumer names ("": a single detector's names)."""
+
+    def __post_init__(self) -> None:
+        if self.replica and not _REPLICA.fullmatch(self.replica):
+            raise ValueError(
+                f"PHALANX_DETECTOR_REPLICA={self.replica!r} is not a plain name "
+                "(letters, digits, '-', '_'; at most 32)"
+            )
+
+    def durable(self, what: str) -> str:
+        """The name of this replica's durable consumer of ``what`` (exits, plans, registrations).
+
+        >>> ServiceConfig(replica="b", job="j1").durable("exits")
+        'failure-detector-exits-b-j1'
+        """
+        replica = f"-{self.replica}" if self.replica else ""
+        job = f"-{self.job}" if self.job else ""
+        return f"failure-detector-{what}{replica}{job}"
 
     @classmethod
     def for_interval(cls, heartbeat_s: float, **overrides: Any) -> ServiceConfig:
@@ -156,6 +240,7 @@ class ServiceConfig:
             stall_floor_s=_num(e, "PHALANX_STALL_FLOOR_MS", d.stall_floor_s * 1e3) / 1e3,
             stall_factor=_num(e, "PHALANX_STALL_FACTOR", d.stall_factor),
             stall_initial_s=_num(e, "PHALANX_STALL_INITIAL_MS", d.stall_initial_s * 1e3) / 1e3,
+            mass_hold_s=_non_negative(e, "PHALANX_DETECTOR_MASS_HOLD_S", d.mass_hold_s),
         )
         job = e.get("PHALANX_DETECTOR_JOB") or None
         if job is not None:
@@ -168,6 +253,7 @@ class ServiceConfig:
             reconnect_grace_s=_num(e, "PHALANX_DETECTOR_GRACE_MS", base.reconnect_grace_s * 1e3) / 1e3,
             job=job,
             exit_max_age_s=_num(e, "PHALANX_DETECTOR_EXIT_MAX_AGE_S", base.exit_max_age_s),
+            replica=e.get("PHALANX_DETECTOR_REPLICA", ""),
         )
 
 
@@ -216,7 +302,6 @@ class FailureDetector(Service):
     async def start(self) -> None:
         cfg = self.config
         tokens = {"job": cfg.job} if cfg.job else {}
-        suffix = f"-{cfg.job}" if cfg.job else ""
         self._hb_sub = await self.bus.subscribe(
             HEARTBEAT.wildcard(**tokens), self._on_heartbeat, Heartbeat, trace_messages=False
         )
@@ -226,18 +311,20 @@ class FailureDetector(Service):
         )
         self.bus.consume(
             EVENTS,
-            f"failure-detector-exits{suffix}",
-            [EXITED.wildcard(**tokens)],
-            self._on_exit,
-            (RankExited,),
+            cfg.durable("registrations"),
+            [REGISTERED.wildcard(**tokens)],
+            self._on_registered,
+            (Registered,),
         )
         self.bus.consume(
-            COMMANDS, f"failure-detector-plans{suffix}", [PLAN.wildcard(**tokens)], self._on_plan, (Plan,)
+            EVENTS, cfg.durable("exits"), [EXITED.wildcard(**tokens)], self._on_exit, (RankExited,)
         )
+        self.bus.consume(COMMANDS, cfg.durable("plans"), [PLAN.wildcard(**tokens)], self._on_plan, (Plan,))
         self._tick_task = asyncio.create_task(self._tick_loop(), name="failure-detector-tick")
         self.log.info(
             "detector_started",
             job=cfg.job or "*",
+            replica=cfg.replica,
             heartbeat_ms=cfg.heartbeat_s * 1e3,
             tick_ms=cfg.tick_s * 1e3,
             phi=cfg.detector.phi_threshold,
@@ -268,6 +355,16 @@ class FailureDetector(Service):
             "incidents_decided": s.incidents,
             "pending_reports": len(self._reports),
             "decode_errors": self.bus.decode_errors,
+            "bad_input_suppressed": self.bus.bad_input_suppressed,
+            "registrations": s.registrations,
+            "stale_registrations": s.stale_registrations,
+            "displaced": s.displaced,
+            "refused_pid": s.refused_pid,
+            "refused_seq": s.refused_seq,
+            "seq_resyncs": s.seq_resyncs,
+            "mass_holds": s.mass_holds,
+            "mass_held": s.mass_held,
+            "replica": self.config.replica,
             "heartbeats": s.heartbeats,
             "ignored_heartbeats": s.ignored_heartbeats,
             "digests": s.digests,
@@ -292,12 +389,20 @@ class FailureDetector(Service):
     async def _refuse(self, raw: Msg, msg: Message, why: str) -> None:
         await self.bus.report_bad_input(raw.subject, DecodeError(why, msg.KIND))
 
+    async def _report_refused(self, subject: str, kind: str) -> None:
+        """Report what the detector refused (it changed nothing): the bus counts, logs
+        and publishes each, rate-limited, without waiting."""
+        for r in self.detector.take_refused():
+            await self.bus.report_bad_input(subject, DecodeError(r.reason, kind))
+
     async def _on_heartbeat(self, hb: Heartbeat, raw: Msg) -> None:
         parts = raw.subject.split(".")
         if parts[2:] != [hb.job, hb.worker]:
             await self._refuse(raw, hb, f"heartbeat of {hb.job}/{hb.worker} on {raw.subject}")
             return
         self.detector.observe(hb)
+        if self.detector.refused:
+            await self._report_refused(raw.subject, Heartbeat.KIND)
 
     async def _on_digest_raw(self, raw: Msg) -> None:
         """A digest off the wire (what Bus.subscribe would do, faster).
@@ -324,6 +429,8 @@ class FailureDetector(Service):
                 await self.bus.report_bad_input(raw.subject, DecodeError(reason, NodeDigest.KIND))
                 return
             self.detector.observe_digest_rows(*fields)
+            if self.detector.refused:
+                await self._report_refused(raw.subject, NodeDigest.KIND)
         except Exception as exc:
             self.log.exception("handler_failed", subject=raw.subject, error=repr(exc))
 
@@ -333,6 +440,8 @@ class FailureDetector(Service):
             await self._refuse(raw, d, f"digest of {d.job}/{d.node} on {raw.subject}")
             return
         self.detector.observe_digest(d)
+        if self.detector.refused:
+            await self._report_refused(raw.subject, NodeDigest.KIND)
 
     async def _on_exit(self, msg: Message, raw: Msg) -> None:
         if not isinstance(msg, RankExited):  # the bus already refuses other kinds
@@ -360,6 +469,23 @@ class FailureDetector(Service):
             return
         # Acked only once the verdict is stored: a crash here redelivers the exit.
         await self._report(incident, extract_context(raw.headers))
+
+    async def _on_registered(self, msg: Message, raw: Msg) -> None:
+        if not isinstance(msg, Registered):
+            return
+        if raw.subject != REGISTERED.format(job=msg.job):
+            await self._refuse(raw, msg, f"registration of job {msg.job} on {raw.subject}")
+            return
+        outcome, dropped = self.detector.register(msg)
+        fields = dict(
+            job=msg.job, worker=msg.worker, pid=msg.pid, incarnation=msg.incarnation, launch=msg.launch
+        )
+        if outcome == "stale":
+            self.log.info("stale_registration_ignored", **fields)
+        elif outcome == "replaced" or dropped is not None:
+            self.log.info("worker_registered", outcome=outcome, dropped_pid=dropped, **fields)
+        else:
+            self.log.debug("worker_registered", outcome=outcome, **fields)
 
     async def _on_plan(self, msg: Message, raw: Msg) -> None:
         if not isinstance(msg, Plan):
@@ -404,6 +530,16 @@ class FailureDetector(Service):
                     task = asyncio.create_task(self._report(incident), name=f"report:{incident.id}")
                     self._reports.add(task)
                     task.add_done_callback(self._reports.discard)
+                for h in self.detector.take_mass_holds():
+                    self.log.warning(
+                        "mass_silence_hold",
+                        job=h.job,
+                        count=h.workers,
+                        nodes=h.nodes,
+                        tracked_workers=h.tracked_workers,
+                        tracked_nodes=h.tracked_nodes,
+                        hold_s=round(h.until - h.started, 3),
+                    )
             except Exception as exc:  # the loop must outlive any one bad tick
                 self.log.exception("tick_failed", error=repr(exc))
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -145,6 +146,11 @@ class SimRank:
         if self._train is not None:
             self._train.cancel()
         SimRank.live.discard(self)
+
+    def resume(self) -> None:
+        """Heartbeat again after :meth:`silence`, the sequence going on (a partition healed)."""
+        self._beat = asyncio.create_task(self.publisher.run())
+        SimRank.live.add(self)
 
 
 @pytest.fixture(autouse=True)
@@ -590,6 +596,11 @@ async def test_detector_process_answers_ping_reports_in_a_trace_and_stops_on_sig
         failed = await events.one("w5")
         assert failed.incident == "j1:w5:8005" and failed.evidence["exit_code"] == 2
         reply = await ping(bus, "failure-detector")
+        # the event is stored (and seen here) just before the detector has its ack and counts it
+        deadline = time.monotonic() + WAIT
+        while reply.details["incidents_reported"] != 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            reply = await ping(bus, "failure-detector")
         assert reply.details["incidents_reported"] == 1
         proc.send_signal(signal.SIGTERM)
         _, err = await asyncio.to_thread(proc.communicate, timeout=WAIT)
@@ -613,3 +624,186 @@ async def test_detector_process_answers_ping_reports_in_a_trace_and_stops_on_sig
         s for s in spans if s["trace_id"] == detect["trace_id"] and s["parent_id"] == detect["span_id"]
     ]
     assert [s["name"] for s in children] == ["publish phalanx.evt.{job}.failed"]
+
+
+# -- inputs checked ----------------------------------------------------------------------
+async def register(bus: Bus, worker: str, pid: int, job: str = "j1") -> None:
+    """What a rank's agent publishes once it is up: the pid it runs as."""
+    from phalanx.bus.subjects import REGISTERED
+    from phalanx.schemas import Registered, Role
+
+    reg = Registered(job=job, worker=worker, role=Role.RANK, host="sim", pid=pid)
+    await bus.publish(REGISTERED, reg, job=job, msg_id=f"{job}:{worker}:{pid}:registered")
+
+
+def logged(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
+    return [line for line in logs if line.get("event") == event]
+
+
+async def test_forged_heartbeats_are_refused_logged_and_change_nothing(
+    detector: FailureDetector, bus: Bus, events: Events
+) -> None:
+    from structlog.testing import capture_logs
+
+    ranks = {w: SimRank(bus, w, rank=i, pid=6100 + i) for i, w in enumerate(["w0", "w1"])}
+    for w, r in ranks.items():
+        await register(bus, w, r.status.pid)
+    det = detector.detector
+    await wait_until(
+        lambda: det.registered_pid("j1", "w0") == 6100 and det.registered_pid("j1", "w1") == 6101,
+        what="registrations consumed",
+    )
+    await wait_until(lambda: tracked(detector) == set(ranks), what="ranks tracked")
+    await wait_until(lambda: det.snapshot("j1", "w0")["samples"] >= 10)  # type: ignore[index]
+    base = ranks["w0"].status.heartbeat(ranks["w0"].publisher.seq, INTERVAL)
+    forged = [
+        base.model_copy(update={"pid": 999, "seq": base.seq + 1}),  # another pid
+        base.model_copy(update={"seq": base.seq + 10**9}),  # the victim's pid, a huge seq
+        base.model_copy(update={"pid": 999, "phase": Phase.DONE}),  # a goodbye from another pid
+    ]
+    with capture_logs() as logs:
+        for hb in forged:
+            await bus.publish(HEARTBEAT, hb, traced=False, job="j1", worker="w0")
+        await wait_until(lambda: len(events.errors()) == 3, what="3 error events")
+        await wait_until(lambda: len(logged(logs, "bad_input")) == 3, what="3 log lines")
+    reasons = sorted(e.reason for e in events.errors())
+    [seq] = [r for r in reasons if f"seq {base.seq + 10**9} is" in r]
+    assert "past" in seq and len([r for r in reasons if "from pid 999: registered pid is 6100" in r]) == 2
+    assert sorted(line["reason"] for line in logged(logs, "bad_input")) == reasons
+    assert all(e.subject == "phalanx.hb.j1.w0" and e.kind == "heartbeat" for e in events.errors())
+    details = detector.health_details()
+    assert (details["refused_pid"], details["refused_seq"], details["decode_errors"]) == (2, 1, 3)
+    # Nothing changed: w0 is still the registered pid's, and its real heartbeats still count (a
+    # verdict would have untracked it: the reviewer's forged seq had it declared lost in 0.3 s).
+    await wait_until(lambda: det.snapshot("j1", "w0")["last_seq"] >= base.seq + 10, what="w0 heard")  # type: ignore[index]
+    snap = det.snapshot("j1", "w0")
+    assert snap is not None and snap["pid"] == 6100 and snap["registered"]
+    assert snap["last_seq"] < base.seq + 100  # the real sender's, not the forger's
+    assert not det.is_closed("j1", "w0", 999) and det.stats.clean_exits == 0
+    # barrier: a later silence is reported; it is the only verdict
+    ranks["w1"].silence()
+    await events.one("w1")
+    assert [v.worker for v in events.verdicts()] == ["w1"]
+
+
+async def test_a_flood_of_malformed_heartbeats_is_rate_limited_and_blinds_nothing(
+    detector: FailureDetector, bus: Bus, events: Events
+) -> None:
+    flood = 5000
+    ranks = {w: SimRank(bus, w, rank=i, pid=6200 + i) for i, w in enumerate(["w0", "w1", "w2"])}
+    await wait_until(lambda: tracked(detector) == set(ranks), what="ranks tracked")
+    await wait_until(lambda: all(detector.detector.snapshot("j1", w)["samples"] >= 10 for w in ranks))  # type: ignore[index]
+    _, headers = encode(ranks["w0"].status.heartbeat(0, INTERVAL))
+    t0 = time.monotonic()
+
+    async def send() -> None:
+        for k in range(flood):  # malformed msgpack, on every rank's subject
+            await bus.publish_raw(f"phalanx.hb.j1.w{k % 3}", b"\xc1\xff" + k.to_bytes(4, "big"), headers)
+            if k % 250 == 0:
+                await asyncio.sleep(0)  # the ranks' heartbeats go out in between
+        await bus.nc.flush()
+
+    flooding = asyncio.create_task(send())
+    ranks["w1"].silence()  # silenced while the flood goes on
+    hung = await events.one("w1")
+    await flooding
+    assert isinstance(hung, RankHung) and hung.cause is FaultCause.HEARTBEAT_LOST
+    assert hung.incident == "j1:w1:6201"
+    # decided about when phi crossed the threshold, not held up behind the flood (awaiting each
+    # error event's JetStream ack held the heartbeats up for ~9 s here)
+    ev = hung.evidence
+    assert float(ev["elapsed_ms"]) <= float(ev["threshold_ms"]) + float(ev["slack_ms"]) + 20 * INTERVAL * 1e3
+
+    def accounted() -> int:
+        """Bad heartbeats reported: one event each, or a summary with their count."""
+        n = 0
+        for e in events.errors():
+            m = re.match(r"(\d+) more refused inputs on phalanx\.hb\.\*\.\* ", e.reason)
+            n += int(m.group(1)) if m else 1
+        return n
+
+    await wait_until(lambda: detector.bus.decode_errors == flood, what="every bad heartbeat counted")
+    await wait_until(lambda: accounted() == flood, what="the suppressed ones summed up")
+    elapsed = time.monotonic() - t0
+    errors = events.errors()
+    assert 2 <= len(errors) <= Bus.ERROR_EVENTS_BURST + Bus.ERROR_EVENTS_PER_S * elapsed + 1
+    one_by_one = [e for e in errors if " more refused inputs " not in e.reason]
+    assert detector.bus.bad_input_suppressed == flood - len(one_by_one)
+    # no healthy rank was declared lost: both still tracked, heard after the flood
+    after = {w: detector.detector.snapshot("j1", w)["last_seq"] for w in ("w0", "w2")}  # type: ignore[index]
+    await wait_until(
+        lambda: all(detector.detector.snapshot("j1", w)["last_seq"] >= after[w] + 5 for w in after),  # type: ignore[index]
+        what="w0 and w2 heard after the flood",
+    )
+    assert [v.worker for v in events.verdicts()] == ["w1"]
+
+
+# -- replicas --------------------------------------------------------------------------------
+async def test_two_replicas_store_one_verdict_per_incident_and_both_decide_it(
+    nats_url: str, bus: Bus, events: Events
+) -> None:
+    from dataclasses import replace
+
+    from phalanx.bus import COMMANDS, EVENTS
+
+    async with (
+        running_detector(nats_url, replace(FAST, replica="a")) as a,
+        running_detector(nats_url, replace(FAST, replica="b")) as b,
+    ):
+        ranks = {w: SimRank(bus, w, rank=i, pid=6300 + i) for i, w in enumerate(["w0", "w1", "w2"])}
+        await wait_until(lambda: tracked(a) == tracked(b) == set(ranks), what="ranks tracked by both")
+        ranks["w0"].silence()  # a crash: the launcher reports the exit once
+        await publish_exit(bus, exited("w0", 6300), "exit-w0")
+        await wait_until(lambda: a.reported == 1 and b.reported == 1, what="both replicas judged the exit")
+        ranks["w1"].silence()  # a silent rank
+        await wait_until(lambda: a.reported == 2 and b.reported == 2, what="both replicas judged the silence")
+        for d in (a, b):
+            assert d.detector.is_closed("j1", "w0", 6300) and d.detector.is_closed("j1", "w1", 6301)
+            assert tracked(d) == {"w2"} and d.health_details()["replica"] == d.config.replica
+        for stream, what in ((EVENTS, "exits"), (EVENTS, "registrations"), (COMMANDS, "plans")):
+            for d in (a, b):
+                await bus.js.consumer_info(stream.name, d.config.durable(what))  # one consumer each
+    failed = await stored(bus, "phalanx.evt.j1.failed")
+    hung = await stored(bus, "phalanx.evt.j1.hung")
+    assert [m.incident for m in failed] == ["j1:w0:6300"]  # type: ignore[attr-defined]
+    assert [m.incident for m in hung] == ["j1:w1:6301"]  # type: ignore[attr-defined]
+    assert sorted(v.incident for v in events.verdicts()) == ["j1:w0:6300"] * 2 + ["j1:w1:6301"] * 2
+
+
+# -- mass silence ----------------------------------------------------------------------------
+async def test_a_mass_silence_is_held_and_only_ranks_still_silent_after_it_are_judged(
+    nats_url: str, bus: Bus, events: Events
+) -> None:
+    from dataclasses import replace
+
+    from structlog.testing import capture_logs
+
+    config = replace(FAST, detector=replace(FAST.detector, mass_hold_s=3.0))
+    async with running_detector(nats_url, config) as svc:
+        ranks = {w: SimRank(bus, w, rank=i, pid=6400 + i) for i, w in enumerate(["w0", "w1", "w2", "w3"])}
+        await wait_until(lambda: tracked(svc) == set(ranks), what="ranks tracked")
+        await wait_until(lambda: all(svc.detector.snapshot("j1", w)["samples"] >= 10 for w in ranks))  # type: ignore[index]
+        with capture_logs() as logs:
+            for w in ("w1", "w2", "w3"):  # cut off from NATS together
+                ranks[w].silence()
+            await wait_until(lambda: bool(logged(logs, "mass_silence_hold")), what="the hold logged")
+        [line] = logged(logs, "mass_silence_hold")
+        assert (line["job"], line["count"], line["tracked_workers"], line["hold_s"]) == ("j1", 3, 4, 3.0)
+        # a real death during the hold is not held
+        ranks["w0"].silence()
+        await publish_exit(bus, exited("w0", 6400), "exit-w0")
+        failed = await events.one("w0")
+        assert isinstance(failed, RankFailed)
+        ranks["w1"].resume()  # w1 and w2 come back within the hold; w3 does not
+        ranks["w2"].resume()
+        hung = await events.one("w3")
+        assert isinstance(hung, RankHung) and hung.cause is FaultCause.HEARTBEAT_LOST
+        assert hung.evidence["mass_silence"] is True and hung.evidence["mass_hold_ms"] == 3000.0
+        assert float(hung.evidence["elapsed_ms"]) >= 3000.0
+        # barrier: w1 falls silent alone (not a mass silence: judged at once), after any
+        # verdict on w2 would have come
+        ranks["w1"].silence()
+        alone = await events.one("w1")
+        assert "mass_silence" not in alone.evidence
+        assert [v.worker for v in events.verdicts()] == ["w0", "w3", "w1"]
+        assert tracked(svc) == {"w2"} and svc.health_details()["mass_held"] == 1

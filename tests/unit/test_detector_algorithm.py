@@ -67,6 +67,7 @@ class Rank:
         self.step_ms = 0.0
         self.phase = phase
         self.phase_since = clock.monotonic()
+        self.bound_ms = 0.0  # the per-op all-reduce timeout it reports
 
     def enter(self, phase: Phase) -> None:
         self.phase, self.phase_since = phase, self.clock.monotonic()
@@ -89,6 +90,7 @@ class Rank:
             pid=self.pid,
             host="h1",
             interval_ms=self.interval * 1e3,
+            collective_bound_ms=self.bound_ms,
             ts=self.clock.wall(),
         )
         self.seq += 1
@@ -340,6 +342,135 @@ def test_progress_within_compute_is_not_a_stall() -> None:
     assert out == []
 
 
+# -- collective hang -------------------------------------------------------------------
+def _in_collective(n: int, bound_s: float, **cfg: float) -> tuple[Detector, FakeClock, list[Rank]]:
+    """``n`` ranks of one generation that trained a few steps, all now in COLLECTIVE
+    with the same per-op bound ``bound_s``."""
+    det, clock = make(**cfg)
+    ranks = [Rank(det, clock, f"w{i}", rank=i, pid=10 + i) for i in range(n)]
+    for r in ranks:
+        r.bound_ms = bound_s * 1e3
+    for _ in range(5):
+        for r in ranks:
+            r.enter(Phase.COMPUTE)
+        assert run(clock, det, ranks, 0.07) == []
+        for r in ranks:
+            r.enter(Phase.COLLECTIVE)
+        assert run(clock, det, ranks, 0.03) == []
+        for r in ranks:
+            r.complete_step(100.0)
+    for r in ranks:
+        r.enter(Phase.COMPUTE)
+    assert run(clock, det, ranks, 0.07) == []
+    for r in ranks:
+        r.enter(Phase.COLLECTIVE)
+    return det, clock, ranks
+
+
+def test_rank_left_behind_in_collective_is_a_collective_hang() -> None:
+    # w1 hangs inside the all-reduce (heartbeats go on); w0 and w2 time out after
+    # their 1 s bound and leave: w1 is blamed once past its own bound plus slack.
+    det, clock, ranks = _in_collective(3, 1.0)
+    hung_wall = clock.wall()
+    assert run(clock, det, ranks, 1.0) == []
+    for r in (ranks[0], ranks[2]):
+        r.enter(Phase.RECOVERING)
+    left = clock.monotonic()
+    out = run(clock, det, ranks, 0.24)  # 1 s + max(25 % of it, 2 heartbeat intervals) = 1.25 s
+    assert out == []
+    out = run(clock, det, ranks, 3.0)
+    [hang] = out
+    assert (hang.worker, hang.cause, hang.rank, hang.generation) == ("w1", FaultCause.COLLECTIVE_HANG, 1, 1)
+    assert isinstance(hang.to_event(), RankHung)
+    assert hang.fault_at == pytest.approx(hung_wall, abs=I)
+    ev = hang.evidence
+    assert ev["phase"] == "collective" and ev["bound_ms"] == 1000.0 and ev["slack_ms"] == 250.0
+    assert ev["peers_left"] == "w0,w2" and ev["peers_left_count"] == 2
+    assert 1250.0 <= ev["phase_ms"] <= 1250.0 + 10 and ev["first_left_ms"] == pytest.approx(250.0, abs=10)
+    assert clock.monotonic() - left >= 0.24
+    # the peers that left (RECOVERING) are never blamed, however long they wait
+    assert sorted(w for _, w, _ in det.tracked()) == ["w0", "w2"]
+
+
+def test_peers_leaving_late_get_time_to_be_heard_before_anyone_is_blamed() -> None:
+    # The peers' timeouts fired late (a gloo timeout restarts with each partial
+    # transfer), and not together: w0 leaves at 2 s, w2 only 0.2 s later. w2 is not
+    # blamed for the 0.2 s; w1, which never leaves, is -- a slack after w0 left.
+    det, clock, ranks = _in_collective(3, 1.0)
+    assert run(clock, det, ranks, 2.0) == []
+    ranks[0].enter(Phase.RECOVERING)
+    assert run(clock, det, ranks, 0.2) == []
+    ranks[2].enter(Phase.RECOVERING)
+    assert run(clock, det, ranks, 0.04) == []
+    [hang] = run(clock, det, ranks, 1.0)
+    assert hang.worker == "w1" and hang.evidence["first_left_ms"] == pytest.approx(250.0, abs=10)
+    assert hang.evidence["phase_ms"] == pytest.approx(2250.0, abs=10)
+
+
+def test_every_member_still_in_collective_is_judged_by_nobody() -> None:
+    # a slow all-reduce or every member blocked: their own per-op timeouts release them
+    det, clock, ranks = _in_collective(3, 1.0)
+    assert run(clock, det, ranks, 10.0) == []
+    assert len(det) == 3
+
+
+def test_a_rank_within_its_bound_is_not_blamed_when_peers_left() -> None:
+    # w1 entered the all-reduce later (a slower step) with a 3 s bound: its peers
+    # leaving does not make it hung until its own bound (plus slack) has passed.
+    det, clock, ranks = _in_collective(3, 1.0)
+    ranks[1].bound_ms = 3000.0
+    assert run(clock, det, ranks, 1.0) == []
+    for r in (ranks[0], ranks[2]):
+        r.enter(Phase.RECOVERING)
+    assert run(clock, det, ranks, 2.25) == []  # 3.25 s in COLLECTIVE < 3 s + 0.3 s
+    ranks[1].enter(Phase.RECOVERING)  # it timed out too (or the cascade reached it) before 3.75 s
+    assert run(clock, det, ranks, 5.0) == []
+    # and one that reports no bound (an older sender) is never judged by the rule
+    det, clock, ranks = _in_collective(2, 1.0)
+    ranks[1].bound_ms = 0.0
+    assert run(clock, det, ranks, 1.0) == []
+    ranks[0].enter(Phase.RECOVERING)
+    assert run(clock, det, ranks, 10.0) == []
+
+
+def test_collective_hang_needs_a_peer_of_the_same_job_and_generation() -> None:
+    det, clock = make()
+    a = Rank(det, clock, "w0", rank=0, pid=1, generation=2)
+    b = Rank(det, clock, "w1", rank=1, pid=2, generation=2)
+    other_gen = Rank(det, clock, "w2", rank=0, pid=3, generation=1)
+    other_job = Rank(det, clock, "w0", rank=0, pid=4, job="j2", generation=2)
+    for r in (a, b, other_gen, other_job):
+        r.bound_ms = 500.0
+        r.enter(Phase.COLLECTIVE)
+    assert run(clock, det, [a, b, other_gen, other_job], 0.3) == []
+    other_gen.enter(Phase.RECOVERING)
+    other_job.enter(Phase.RECOVERING)
+    assert run(clock, det, [a, b, other_gen, other_job], 3.0) == []
+    b.enter(Phase.RECOVERING)
+    [hang] = run(clock, det, [a, b, other_gen, other_job], 0.5)
+    assert (hang.job, hang.worker, hang.cause) == ("j1", "w0", FaultCause.COLLECTIVE_HANG)
+    assert hang.evidence["peers_left"] == "w1"
+
+
+def test_collective_hang_through_digests() -> None:
+    det, clock = make()
+    node = SimNode(det, clock, 0, random.Random(3), ranks=4, jitter=0.5 * I)
+    node.bound_ms = 1000.0
+    assert drive(clock, det, [node], 2.0) == []
+    now = clock.monotonic()
+    node.stuck = {j: (Phase.COLLECTIVE, now) for j in range(4)}
+    assert drive(clock, det, [node], 1.0) == []
+    for j in (0, 2, 3):
+        node.stuck[j] = (Phase.RECOVERING, clock.monotonic())
+    out = drive(clock, det, [node], 2.0)
+    [(at, hang)] = out
+    assert isinstance(hang, Incident) and hang.cause is FaultCause.COLLECTIVE_HANG and hang.worker == "n0-w1"
+    assert hang.evidence["node"] == "n0" and hang.evidence["peers_left_count"] == 3
+    # bound 1 s + 25 % of it + the digest interval, seen with a digest (up to 1.5 I late)
+    assert 1.35 <= at - now <= 1.35 + 2 * I
+    assert hang.fault_at == pytest.approx(clock.epoch + now, abs=I)
+
+
 # -- incarnations, exits, plans -----------------------------------------------------
 def test_exit_nonzero_is_reported_once_even_with_heartbeats_lost() -> None:
     det, clock = make()
@@ -505,6 +636,7 @@ class SimNode:
         self.stuck: dict[int, tuple[Phase, float]] = {}
         self.frozen: set[int] = set()
         self.silent = False
+        self.bound_ms = 0.0  # the per-op all-reduce timeout its ranks report
         self.digest_seq = 0
         self.in_flight: list[tuple[float, NodeDigest]] = []
 
@@ -538,6 +670,7 @@ class SimNode:
                 phase_ms=phase_ms,
                 age_ms=(now - at) * 1e3,
                 interval_ms=self.rank_interval * 1e3,
+                collective_bound_ms=self.bound_ms,
             )
             for j, h in enumerate(self.heard)
             if h is not None
@@ -836,3 +969,248 @@ def test_bench_simulator_sends_what_a_launcher_encodes() -> None:
     from bench.detect import _check_payload
 
     _check_payload()
+
+
+# -- inputs checked: registered pid, sequence bound, resync --------------------------------
+def _registered(worker: str = "w0", pid: int = 100, job: str = "j1"):  # type: ignore[no-untyped-def]
+    from phalanx.schemas import Registered, Role
+
+    return Registered(job=job, worker=worker, role=Role.RANK, host="h1", pid=pid)
+
+
+def _forged(r: Rank, **changes: object) -> Heartbeat:
+    """The heartbeat ``r`` would send next, with ``changes`` (a forger's copy of it)."""
+    fields: dict[str, object] = dict(
+        job=r.job, worker=r.worker, rank=r.rank, generation=r.generation, step=r.step,
+        step_ms=r.step_ms, phase=r.phase, phase_ms=0.0, seq=r.seq, pid=r.pid, host="h1",
+        interval_ms=r.interval * 1e3, ts=r.clock.wall(),
+    )  # fmt: skip
+    fields.update(changes)
+    return Heartbeat.model_validate(fields)
+
+
+def _state(det: Detector, worker: str = "w0", job: str = "j1") -> dict[str, object]:
+    """What only input changes in a tracked worker (not the passing of time)."""
+    snap = det.snapshot(job, worker)
+    assert snap is not None
+    keys = ("pid", "rank", "generation", "last_seq", "samples", "mean_ms", "std_ms", "phase", "step")
+    return {k: snap[k] for k in keys}
+
+
+def _stats_but(det: Detector, *counters: str) -> dict[str, int]:
+    return {k: v for k, v in vars(det.stats).items() if k not in counters}
+
+
+def test_a_forged_heartbeat_with_a_huge_seq_is_refused_and_the_rank_is_not_declared_lost() -> None:
+    """The reviewer's case: one heartbeat with the victim's pid and a huge seq made every
+    real heartbeat after it stale, and the rank was declared lost 0.3 s later."""
+    det, clock = make()
+    r = Rank(det, clock)
+    run(clock, det, [r], 2.0)
+    before, stats = _state(det), _stats_but(det, "refused_seq")
+    assert not det.observe(_forged(r, seq=r.seq + 1_000_000))
+    [refusal] = det.take_refused()
+    assert (refusal.kind, refusal.worker, refusal.pid, refusal.seq) == ("seq", "w0", 100, r.seq + 1_000_000)
+    assert "past" in refusal.reason and det.stats.refused_seq == 1
+    assert _state(det) == before and _stats_but(det, "refused_seq") == stats  # it changed nothing
+    assert run(clock, det, [r], 3.0) == []  # the real heartbeats still count
+    assert det.take_refused() == []
+
+
+def test_heartbeats_from_a_pid_other_than_the_registered_one_are_refused() -> None:
+    det, clock = make()
+    r = Rank(det, clock, pid=100)
+    assert det.register(_registered(pid=100)) == ("new", None)
+    run(clock, det, [r], 2.0)
+    before, stats = _state(det), _stats_but(det, "refused_pid")
+    forger = Rank(det, clock, pid=999)
+    forger.seq = r.seq
+    assert not forger.beat()
+    forger.enter(Phase.DONE)
+    assert not forger.beat()  # a forged goodbye does not make the detector forget the rank
+    refused = det.take_refused()
+    assert [(x.kind, x.pid) for x in refused] == [("pid", 999), ("pid", 999)]
+    assert "registered pid is 100" in refused[0].reason
+    assert _state(det) == before and _stats_but(det, "refused_pid") == stats
+    assert det.stats.refused_pid == 2 and not det.is_closed("j1", "w0", 999)
+    assert run(clock, det, [r], 2.0) == [] and _state(det)["pid"] == 100
+    assert det.snapshot("j1", "w0")["registered"]  # type: ignore[index]
+
+
+def test_a_new_pid_is_taken_only_after_it_registers_and_the_old_exit_still_counts() -> None:
+    det, clock = make()
+    old = Rank(det, clock, pid=100)
+    det.register(_registered(pid=100))
+    run(clock, det, [old], 1.0)
+    new = Rank(det, clock, pid=200)
+    assert not new.beat()  # heard before its registration: refused
+    assert _state(det)["pid"] == 100
+    assert det.register(_registered(pid=200)) == ("replaced", 100)  # a restart registers
+    assert det.snapshot("j1", "w0") is None  # the old incarnation is dropped without a verdict
+    assert not old.beat()
+    inc = det.on_exit(exit_msg(pid=100, sig=9, code=None))
+    assert inc is not None and inc.id == "j1:w0:100"  # ...and its exit report still makes one
+    assert new.beat() and _state(det)["pid"] == 200
+    assert run(clock, det, [new], 2.0) == []
+    assert (det.stats.displaced, det.stats.refused_pid, det.stats.registrations) == (1, 2, 2)
+    assert det.register(_registered(pid=100)) == ("stale", None)  # a closed incarnation registers nothing
+    assert _state(det)["pid"] == 200 and det.registered_pid("j1", "w0") == 200
+
+
+def test_a_worker_heard_before_it_registered_is_provisional_and_its_registration_wins() -> None:
+    det, clock = make()
+    early = Rank(det, clock, pid=999)  # e.g. a forger that guessed the worker's name
+    assert early.beat()  # no registration yet: tracked, provisionally
+    assert not det.snapshot("j1", "w0")["registered"]  # type: ignore[index]
+    assert det.register(_registered(pid=100)) == ("new", 999)
+    assert det.snapshot("j1", "w0") is None
+    real = Rank(det, clock, pid=100)
+    assert run(clock, det, [real], 2.0) == []
+    assert not early.beat() and _state(det)["pid"] == 100
+    clock.advance(5.0)
+    assert [v.id for v in det.tick()] == ["j1:w0:100"]  # never one for the dropped pid 999
+
+
+def test_a_forged_jump_within_the_bound_blinds_no_longer_than_the_next_real_heartbeat() -> None:
+    det, clock = make()
+    r = Rank(det, clock)
+    run(clock, det, [r], 2.0)
+    r.beat()
+    clock.advance(0.2 * I)
+    assert det.observe(_forged(r, seq=r.seq + 3))  # within the bound: taken...
+    clock.advance(0.8 * I)
+    assert r.beat()  # ...but the real sender's next one is not stale: the sequence follows it again
+    assert det.stats.seq_resyncs == 1 and _state(det)["last_seq"] == r.seq - 1
+    assert run(clock, det, [r], 3.0) == []
+    # a forged *first* heartbeat (a restarted detector hears it first) does not set the sequence for good
+    det, clock = make()
+    r = Rank(det, clock)
+    r.seq = 50
+    assert det.observe(_forged(r, seq=10**9))
+    clock.advance(0.2 * I)
+    assert r.beat() and _state(det)["last_seq"] == 50  # below the first one heard: a resync
+    assert not det.observe(_forged(r, seq=10**9 + 1))  # now beyond the bound
+    assert run(clock, det, [r], 3.0) == []
+
+
+def test_the_sequence_bound_follows_the_time_since_the_last_heartbeat() -> None:
+    det, clock = make()  # seq_slack 5, seq_rate 2
+    r = Rank(det, clock)
+    run(clock, det, [r], 2.0)
+    r.seq += 29  # 29 heartbeats lost on the way: their time has passed too
+    clock.advance(30 * I)
+    assert r.beat()
+    clock.advance(I)
+    r.seq += 20  # 21 in one interval: more than 5 + 2 x 1
+    assert not r.beat() and det.stats.refused_seq == 1
+    det.hold(clock.monotonic() + 1.0)  # while the detector holds, time says nothing: no bound
+    assert r.beat()
+    assert [x.kind for x in det.take_refused()] == ["seq"]
+
+
+def test_forged_digest_entries_and_digests_are_refused_and_change_nothing() -> None:
+    det, clock = make()
+    rng = random.Random(5)
+    nodes = [SimNode(det, clock, k, rng) for k in range(3)]
+    drive(clock, det, nodes, 2.0)
+    n0 = nodes[0]
+    worker = n0.worker(0)
+    det.register(_registered(worker, n0.pid(0)))
+    before, stats_digests = _state(det, worker), det.stats.digests
+    nodes_before = det.node_snapshot("j1", "n0")
+    real = n0._digest(clock.monotonic())
+    forged = {"pid": 4242, "seq": real.entries[0].seq + 1}
+    entries = [e.model_copy(update=forged) if e.worker == worker else e for e in real.entries]
+    assert det.observe_digest(real.model_copy(update={"entries": entries}))  # the node is heard...
+    [refusal] = det.take_refused()  # ...the entry of another pid is not
+    assert (refusal.kind, refusal.worker, refusal.pid) == ("pid", worker, 4242)
+    assert _state(det, worker) == before
+    huge = real.model_copy(update={"seq": real.seq + 1_000_000})
+    assert not det.observe_digest(huge)  # a digest far ahead of its launcher's sequence
+    [refusal] = det.take_refused()
+    assert (refusal.kind, refusal.worker) == ("seq", "node:n0")
+    assert det.node_snapshot("j1", "n0")["last_seq"] == real.seq  # type: ignore[index]
+    assert nodes_before is not None and nodes_before["last_seq"] == real.seq - 1
+    assert (det.stats.refused_pid, det.stats.refused_seq, det.stats.digests) == (1, 1, 1 + stats_digests)
+    assert drive(clock, det, nodes, 3.0) == []  # nobody lost: not the node, not its workers
+    assert len(det) == 24
+
+
+# -- mass silence --------------------------------------------------------------------------
+def test_a_mass_silence_is_held_and_nothing_is_published_when_the_ranks_come_back() -> None:
+    det, clock = make(mass_hold_s=2.0)
+    ranks = [Rank(det, clock, f"w{i}", rank=i, pid=10 + i) for i in range(4)]
+    run(clock, det, ranks, 2.0)
+    assert run(clock, det, ranks[:1], 1.0) == []  # w1..w3 cut off from NATS together
+    [hold] = det.take_mass_holds()
+    assert (hold.job, hold.workers, hold.nodes, hold.tracked_workers) == ("j1", 3, 0, 4)
+    assert hold.until - hold.started == pytest.approx(2.0) and len(det) == 4
+    assert run(clock, det, ranks, 4.0) == []  # back within the hold: no verdict, ever
+    assert len(det) == 4 and det.stats.mass_holds == 1 and det.stats.mass_held == 0
+
+
+def test_a_mass_silence_that_persists_is_judged_after_the_hold_and_exits_are_never_held() -> None:
+    det, clock = make(mass_hold_s=2.0)
+    ranks = [Rank(det, clock, f"w{i}", rank=i, pid=10 + i) for i in range(4)]
+    run(clock, det, ranks, 2.0)
+    assert run(clock, det, ranks[:1], 1.5) == []
+    assert det.mass_hold("j1") is not None and det.stats.mass_holds == 1
+    failed = det.on_exit(exit_msg("w0", pid=10, sig=9, code=None))  # a real death, seen by the launcher
+    assert failed is not None and failed.cause is FaultCause.PROCESS_EXIT
+    out = run(clock, det, [], 1.0)
+    assert sorted(v.worker for v in out) == ["w1", "w2", "w3"]
+    for v in out:
+        assert v.cause is FaultCause.HEARTBEAT_LOST and v.evidence["mass_silence"] is True
+        assert v.evidence["mass_hold_ms"] == 2000.0 and v.evidence["mass_silent_workers"] == 3
+        assert v.evidence["elapsed_ms"] >= 2000.0  # not before the hold ended
+        ev = v.to_event()
+        assert decode(*encode(ev)) == ev  # every evidence value survives the wire
+    assert det.stats.mass_held == 3 and len(det) == 0
+
+
+def test_the_mass_rule_is_per_job_and_needs_half_of_it_and_two() -> None:
+    det, clock = make(mass_hold_s=2.0)
+    a = [Rank(det, clock, f"w{i}", rank=i, pid=10 + i) for i in range(5)]
+    b = [Rank(det, clock, f"v{i}", rank=i, pid=20 + i, job="j2") for i in range(2)]
+    c = [Rank(det, clock, f"u{i}", rank=i, pid=30 + i, job="j3") for i in range(2)]
+    run(clock, det, a + b + c, 2.0)
+    out = run(clock, det, a[2:] + c[1:], 1.0)  # j1: 2 of 5 silent; j2: 2 of 2; j3: 1 of 2
+    assert sorted(v.worker for v in out) == ["u0", "w0", "w1"]  # judged at once
+    assert all("mass_silence" not in v.evidence for v in out)
+    [hold] = det.take_mass_holds()
+    assert (hold.job, hold.workers, hold.tracked_workers) == ("j2", 2, 2)
+    out = run(clock, det, a[2:] + c[1:], 2.0)
+    assert sorted(v.worker for v in out) == ["v0", "v1"] and all(v.evidence["mass_silence"] for v in out)
+
+
+def test_half_the_nodes_of_a_job_silent_at_once_are_held() -> None:
+    det, clock = make(mass_hold_s=2.0)
+    rng = random.Random(9)
+    nodes = [SimNode(det, clock, k, rng) for k in range(4)]
+    drive(clock, det, nodes, 2.0)
+    nodes[1].silent = nodes[2].silent = True
+    assert drive(clock, det, nodes, 1.0) == []
+    [hold] = det.take_mass_holds()
+    assert (hold.nodes, hold.tracked_nodes, hold.workers, hold.tracked_workers) == (2, 4, 16, 32)
+    nodes[1].silent = False  # n1 comes back, n2 does not
+    out = drive(clock, det, nodes, 3.0)
+    [(_, lost)] = out
+    assert isinstance(lost, NodeIncident) and lost.node == "n2" and lost.evidence["mass_silence"] is True
+    assert len(det) == 24 and sorted(n for _, n, _ in det.nodes()) == ["n0", "n1", "n3"]
+
+
+def test_service_config_replica_and_mass_hold_from_env() -> None:
+    c = ServiceConfig.from_env({"PHALANX_DETECTOR_REPLICA": "b-2", "PHALANX_DETECTOR_MASS_HOLD_S": "0"})
+    assert c.replica == "b-2" and c.detector.mass_hold_s == 0.0
+    assert [c.durable(x) for x in ("exits", "plans", "registrations")] == [
+        "failure-detector-exits-b-2",
+        "failure-detector-plans-b-2",
+        "failure-detector-registrations-b-2",
+    ]
+    d = ServiceConfig.from_env({})
+    assert (d.replica, d.durable("exits"), d.detector.mass_hold_s) == ("", "failure-detector-exits", 10.0)
+    for bad in ("a.b", "a b", "*", "x" * 33):
+        with pytest.raises(ValueError, match="PHALANX_DETECTOR_REPLICA"):
+            ServiceConfig.from_env({"PHALANX_DETECTOR_REPLICA": bad})
+    with pytest.raises(ValueError, match="PHALANX_DETECTOR_MASS_HOLD_S"):
+        ServiceConfig.from_env({"PHALANX_DETECTOR_MASS_HOLD_S": "-1"})
