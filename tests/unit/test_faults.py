@@ -19,12 +19,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_parse_valid_specs() -> None:
-    plan = FaultPlan.parse("kill:w2@step=5, stop:w1@recovery=2,stall:spare_0@step=0,exit:w-3@recovery=10")
+    plan = FaultPlan.parse(
+        "kill:w2@step=5, stop:w1@recovery=2,stall:spare_0@step=0,exit:w-3@recovery=10,wedge:w1@step=7"
+    )
     assert plan.faults == (
         Fault("kill", "w2", "step", 5),
         Fault("stop", "w1", "recovery", 2),
         Fault("stall", "spare_0", "step", 0),
         Fault("exit", "w-3", "recovery", 10),
+        Fault("wedge", "w1", "step", 7),
     )
 
 
@@ -47,6 +50,7 @@ def test_parse_empty_is_no_faults(spec: str) -> None:
         "kill w1@step=1",
         "KILL:w1@step=1",
         "kill:w1@step=1;stop:w2@step=2",
+        "wedge:w1@recovery=2",  # a wedge hangs inside the step's all-reduce
     ],
 )
 def test_parse_invalid_specs_raise_clear_value_error(bad: str) -> None:
@@ -97,6 +101,33 @@ def test_fire_only_on_the_matching_worker_point_and_value(
         ("w1", "stop", "recovery", 2),
         ("w2", "exit", "recovery", 5),
     ]
+
+
+def test_wedge_enters_the_collective_phase_then_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    done: list[str] = []
+    monkeypatch.setattr(faults, "_do", done.append)
+    monkeypatch.delenv("PHALANX_FAULT_LOG", raising=False)
+    plan = FaultPlan.parse("wedge:w1@step=4")
+    assert not plan.fire("w1", "step", 3, enter_collective=lambda: done.append("collective"))
+    assert done == []
+    assert not plan.fire("w1", "step", 4, enter_collective=lambda: done.append("collective"))
+    assert done == ["collective", "wedge"]  # the phase is set before the thread blocks
+    assert not plan.fire("w1", "step", 4, enter_collective=lambda: done.append("collective"))
+    assert done == ["collective", "wedge"]  # once
+
+
+def test_wedge_blocks_the_calling_thread_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    monkeypatch.delenv("PHALANX_FAULT_LOG", raising=False)
+    entered = threading.Event()
+    plan = FaultPlan.parse("wedge:w1@step=1")
+    t = threading.Thread(target=plan.fire, args=("w1", "step", 1), kwargs={"enter_collective": entered.set})
+    t.daemon = True
+    t.start()
+    assert entered.wait(5.0)
+    t.join(0.2)
+    assert t.is_alive()  # blocked for good; the test process goes on (a daemon thread)
 
 
 def test_no_log_without_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -4,11 +4,13 @@ gradient buffer whose views autograd accumulates into in place."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
-from phalanx.runtime.trainer import _flat_grads, step_seed
+from phalanx.runtime.trainer import Trainer, _flat_grads, step_seed
 
 
 def test_step_seed_is_deterministic_and_a_valid_torch_seed() -> None:
@@ -113,3 +115,41 @@ def test_optimizer_step_reads_the_flat_buffer() -> None:
     opt.step()
     for p, b, v in zip(params, before, views, strict=True):
         assert torch.equal(p.detach(), b - 0.5 * v)
+
+
+def _trainer(collective_timeout_s: float | None = None) -> Trainer:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    job = SimpleNamespace(worker="w0")
+    return Trainer(
+        job,  # type: ignore[arg-type]
+        model,
+        opt,
+        batches=lambda step, world, rank: [],
+        loss_fn=lambda m, x, y: torch.zeros(()),
+        global_batch=4,
+        collective_timeout_s=collective_timeout_s,
+    )
+
+
+def test_collective_bound_is_learned_from_recent_all_reduces(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("PHALANX_COLLECTIVE_FLOOR_MS", "PHALANX_COLLECTIVE_FACTOR", "PHALANX_COLLECTIVE_INITIAL_MS"):
+        monkeypatch.delenv(name, raising=False)
+    t = _trainer()
+    assert t.collective_bound_s() == 60.0  # nothing completed in this generation yet
+    t._collective_ms.extend([10.0, 120.0, 30.0])
+    assert t.collective_bound_s() == 2.0  # the floor: 4 x 120 ms is less
+    t._collective_ms.append(900.0)
+    assert t.collective_bound_s() == pytest.approx(3.6)  # 4 x the slowest recent one
+    t._collective_ms.extend([1.0] * 20)  # the slow one slid out of the window
+    assert t.collective_bound_s() == 2.0
+    monkeypatch.setenv("PHALANX_COLLECTIVE_FLOOR_MS", "500")
+    monkeypatch.setenv("PHALANX_COLLECTIVE_FACTOR", "10")
+    monkeypatch.setenv("PHALANX_COLLECTIVE_INITIAL_MS", "300000")
+    t = _trainer(collective_timeout_s=90.0)
+    assert t.collective_bound_s() == 90.0  # never above the backstop
+    t._collective_ms.append(80.0)
+    assert t.collective_bound_s() == pytest.approx(0.8)
+    monkeypatch.setenv("PHALANX_COLLECTIVE_FACTOR", "0")
+    with pytest.raises(ValueError, match="PHALANX_COLLECTIVE_FACTOR"):
+        _trainer()

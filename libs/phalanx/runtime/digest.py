@@ -194,6 +194,7 @@ class NodeDigestPublisher:
                     phase_ms=hb.phase_ms,
                     age_ms=max(0.0, (now - latest.received) * 1e3),
                     interval_ms=hb.interval_ms,
+                    collective_bound_ms=hb.collective_bound_ms,
                 )
             )
             if hb.phase is Phase.DONE:

@@ -6,7 +6,9 @@ A comma-separated list of ``action:worker@point``:
   silent heartbeats), ``stall`` (the training thread blocks forever while the
   heartbeats go on), ``exit`` (exit code 3), ``break`` (the worker drops its
   communicator as if the network had failed: every rank's collective fails,
-  nobody dies; only at ``step=N``);
+  nobody dies; only at ``step=N``), ``wedge`` (the training thread enters phase
+  COLLECTIVE and blocks forever, as a rank hung inside the all-reduce whose
+  heartbeats go on: its peers' per-op timeouts fire; only at ``step=N``);
 - points: ``step=N`` (in step N, after the backward pass and before the
   gradient all-reduce, so peers are left blocked in the collective) or
   ``recovery=G`` (as the worker starts building generation G's communicator).
@@ -28,9 +30,11 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-_ENTRY = re.compile(r"^(kill|stop|stall|exit|break):([A-Za-z0-9_-]+)@(step|recovery)=(\d+)$")
+_ENTRY = re.compile(r"^(kill|stop|stall|exit|break|wedge):([A-Za-z0-9_-]+)@(step|recovery)=(\d+)$")
+_STEP_ONLY = ("wedge",)
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,10 @@ class FaultPlan:
         faults = []
         for part in filter(None, (p.strip() for p in spec.split(","))):
             m = _ENTRY.match(part)
-            if not m:
-                raise ValueError(f"bad fault {part!r}: want action:worker@step=N or @recovery=G")
+            if not m or (m[1] in _STEP_ONLY and m[3] != "step"):
+                raise ValueError(
+                    f"bad fault {part!r}: want action:worker@step=N or @recovery=G (wedge: step only)"
+                )
             faults.append(Fault(m[1], m[2], m[3], int(m[4])))
         return cls(tuple(faults))
 
@@ -60,9 +66,12 @@ class FaultPlan:
     def from_env(cls) -> FaultPlan:
         return cls.parse(os.environ.get("PHALANX_FAULTS", ""))
 
-    def fire(self, worker: str, point: str, value: int) -> bool:
+    def fire(
+        self, worker: str, point: str, value: int, *, enter_collective: Callable[[], object] | None = None
+    ) -> bool:
         """Strike the faults set for this point; True when one is ``break``, which
-        the caller carries out (it owns the communicator)."""
+        the caller carries out (it owns the communicator). A ``wedge`` calls
+        ``enter_collective`` (the caller's way into phase COLLECTIVE) before it blocks."""
         broke = False
         for f in self.faults:
             if f.worker == worker and f.point == point and f.value == value and f not in self._fired:
@@ -71,6 +80,8 @@ class FaultPlan:
                 if f.action == "break":
                     broke = True
                 else:
+                    if f.action == "wedge" and enter_collective is not None:
+                        enter_collective()
                     _do(f.action)
         return broke
 
@@ -95,5 +106,5 @@ def _do(action: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif action == "exit":
         os._exit(3)
-    elif action == "stall":
+    elif action in ("stall", "wedge"):
         threading.Event().wait()  # blocks this thread for good; heartbeats go on

@@ -21,6 +21,9 @@ class RankStatus:
     generation: int = 0
     step: int = 0
     step_ms: float = 0.0
+    collective_bound_ms: float = 0.0
+    """The per-op timeout of the current (or last) gradient all-reduce: the detector
+    takes a rank in COLLECTIVE for longer, while a peer has left, for hung."""
     phase: Phase = Phase.STARTING
     phase_since: float = field(default_factory=time.monotonic)
     pid: int = field(default_factory=os.getpid)
@@ -45,4 +48,5 @@ class RankStatus:
             pid=self.pid,
             host=self.host,
             interval_ms=interval_s * 1000.0,
+            collective_bound_ms=self.collective_bound_ms,
         )

@@ -15,6 +15,18 @@ grads are views into it), one SUM all-reduce, the optimizer step. The loss of a
 micro-batch of ``n`` samples is scaled by ``n / global_batch``, so the update is
 the gradient of the mean loss over the global batch whatever the world size.
 
+Each gradient all-reduce carries a per-op timeout learned from this
+generation's recent all-reduces, like the detector's compute-stall bound:
+``max(PHALANX_COLLECTIVE_FLOOR_MS (2000), PHALANX_COLLECTIVE_FACTOR (4) x the
+slowest of the last 20)``, and ``PHALANX_COLLECTIVE_INITIAL_MS`` (60000) until one
+has completed in the generation (its first one also waits for a joiner's
+forward/backward); never above ``collective_timeout_s``
+(``PHALANX_COLLECTIVE_TIMEOUT_S``, 120), the backstop of every other collective.
+The gloo per-op timeout really ends the op, so a peer hung inside the
+all-reduce costs its partners seconds, not the backstop. The bound goes out in
+every heartbeat (``collective_bound_ms``): the detector blames a rank that stays
+in COLLECTIVE past it while a peer has left (``collective_hang``).
+
 When a collective fails (a peer crashed, or a hung peer was fenced), the rank
 does not exit. Recovery, each phase timed and traced in the incident's trace:
 
@@ -42,6 +54,7 @@ import functools
 import inspect
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +77,8 @@ BatchFn = Callable[[int, int, int], list[Batch]]  # (step, world_size, rank) -> 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 PHASES = ("abort", "comm_init", "state_transfer", "data_restore", "first_step")
+COLLECTIVE_WINDOW = 20
+"""Gradient all-reduces whose wall times make the learned per-op timeout."""
 _tracer = trace.get_tracer("phalanx.runtime")
 
 
@@ -91,6 +106,14 @@ class _Recovery:
         end = time.time()
         self.marks[phase] = (start, end)
         return end
+
+
+def _env_pos(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    value = float(raw) if raw else default
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
+    return value
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -134,6 +157,11 @@ class Trainer:
         self.collective_timeout_s = collective_timeout_s or float(
             os.environ.get("PHALANX_COLLECTIVE_TIMEOUT_S", "120")
         )
+        self.collective_floor_s = _env_pos("PHALANX_COLLECTIVE_FLOOR_MS", 2000.0) / 1e3
+        self.collective_factor = _env_pos("PHALANX_COLLECTIVE_FACTOR", 4.0)
+        self.collective_initial_s = _env_pos("PHALANX_COLLECTIVE_INITIAL_MS", 60000.0) / 1e3
+        # Wall times (ms) of this generation's completed gradient all-reduces.
+        self._collective_ms: deque[float] = deque(maxlen=COLLECTIVE_WINDOW)
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.plan_timeout_s = plan_timeout_s
         self.on_step = on_step
@@ -156,6 +184,14 @@ class Trainer:
         self._local_grads = torch.empty_like(self.flat) if reuse_local_grads else self.flat
         self._local_key: tuple[int, int, int] | None = None
         self._pending: _Recovery | None = None
+
+    def collective_bound_s(self) -> float:
+        """The per-op timeout of the next gradient all-reduce (see the module doc)."""
+        if self._collective_ms:
+            bound = max(self.collective_floor_s, self.collective_factor * max(self._collective_ms) / 1e3)
+        else:
+            bound = max(self.collective_floor_s, self.collective_initial_s)
+        return min(bound, self.collective_timeout_s)
 
     # -- state that moves to a joiner ------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -260,6 +296,12 @@ class Trainer:
         for p, v in zip(self.params, self._views, strict=True):
             p.grad = v
         key = (self.step, self.world_size, self.rank)
+        bound = self.collective_bound_s()
+
+        def enter_collective() -> None:
+            status.collective_bound_ms = bound * 1e3
+            status.enter(Phase.COLLECTIVE)
+
         if self._local_key == key:
             # Redoing the step a failed all-reduce interrupted, with unchanged weights,
             # data shard and seed: this rank's gradients are the ones it already had.
@@ -274,12 +316,14 @@ class Trainer:
             if self.reuse_local_grads:
                 self._local_grads.copy_(self.flat)  # the all-reduce works in place
                 self._local_key = key
-            if self.job.faults.fire(self.job.worker, "step", self.step):
+            if self.job.faults.fire(self.job.worker, "step", self.step, enter_collective=enter_collective):
                 comm.destroy()
                 raise CommError(f"injected: {self.job.worker} broke its communicator in step {self.step}")
         self._prefetched = None
-        status.enter(Phase.COLLECTIVE)
-        comm.allreduce_sum_(self.flat, self.collective_timeout_s)
+        enter_collective()
+        t_ar = time.perf_counter()
+        comm.allreduce_sum_(self.flat, bound)
+        self._collective_ms.append((time.perf_counter() - t_ar) * 1000.0)
         self._local_key = None
         status.enter(Phase.COMPUTE)
         self.optimizer.step()
@@ -296,6 +340,9 @@ class Trainer:
     # -- recovery ----------------------------------------------------------------------
     def _reconfigure(self, err: CommError | None) -> None:
         now = time.time()
+        # Out of the collective at once: the detector tells the peers that left from
+        # one hung inside it (collective_hang) by this phase, a heartbeat later.
+        self.job.status.enter(Phase.RECOVERING)
         rec = _Recovery(now)
         if self.comm is not None:
             self.comm.destroy()  # the cascade: peers blocked on us fail now
@@ -312,6 +359,7 @@ class Trainer:
                     generation=self.generation,
                     step=self.step,
                     error=str(err)[:2000],
+                    launch=self.job.agent.launch,
                 ),
                 job=self.job.job,
             )
@@ -375,6 +423,7 @@ class Trainer:
                 plan.world_size,
             )
             status.rank, status.generation = rank, plan.generation
+            self._collective_ms.clear()  # a new group (maybe of another size): learn its times afresh
             self.recoveries += 0 if first else 1
             self._pending = rec
             self.log.info(
