@@ -151,14 +151,22 @@ class LocalStack:
             ).start()
             self.env["NATS_URL"] = self.server.url
         for name in self.services:
-            log = open(self.workdir / f"{name}.log", "ab")
-            env = {**self.env, **self.role_env(ROLE_OF_SERVICE[name])}
-            self.procs[name] = subprocess.Popen(
-                self._argv([sys.executable, "-m", SERVICE_MODULES[name]]), env=env, stdout=log, stderr=log
-            )
-            log.close()
+            self.start_service(name)
         asyncio.run(self._wait_healthy())
         return self
+
+    def start_service(self, name: str) -> str:
+        """Start one process of service ``name``; returns its key in :attr:`procs`
+        (``name``, then ``name#2``.. for replicas, each with its own log)."""
+        n = 1 + sum(1 for k in self.procs if k.split("#")[0] == name)
+        key = name if n == 1 else f"{name}#{n}"
+        log = open(self.workdir / f"{key.replace('#', '-')}.log", "ab")
+        env = {**self.env, **self.role_env(ROLE_OF_SERVICE[name])}
+        self.procs[key] = subprocess.Popen(
+            self._argv([sys.executable, "-m", SERVICE_MODULES[name]]), env=env, stdout=log, stderr=log
+        )
+        log.close()
+        return key
 
     def _argv(self, argv: list[str], node: str | None = None) -> list[str]:
         """``argv`` run on ``node`` (default: the control node) when there is a cluster."""
@@ -169,10 +177,11 @@ class LocalStack:
             bus = await Bus.connect(self.url, name="localstack")
         try:
             deadline = time.monotonic() + timeout_s
-            for name in self.services:
+            for key, proc in self.procs.items():
+                name = key.split("#")[0]
                 while True:
-                    if self.procs[name].poll() is not None:
-                        raise RuntimeError(f"service {name} exited: see {self.workdir / (name + '.log')}")
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"service {key} exited: see the logs in {self.workdir}")
                     try:
                         await ping(bus, name, timeout=1.0)
                         break

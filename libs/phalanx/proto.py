@@ -61,6 +61,7 @@ from phalanx.schemas import (
     FaultCause,
     HealthReply,
     Heartbeat,
+    JobRecord,
     JobSpec,
     Member,
     Message,
@@ -93,8 +94,18 @@ GENERATED = ("subjects.json", "asyncapi.json", "schemas/")
 # where; this table says between which parties. "rank" is the runtime embedded in
 # every training rank and spare, "launcher" is ``phalanx run``, "operator" is a
 # person or tool (the CLI, a dashboard, a user's policy).
+#
+# It states what the code does, and tests/integration/test_parties.py holds it to
+# that: it starts each party for real against a nats-server, records every subject
+# the party subscribes to, consumes and publishes (bad input included, which a
+# receiver reports on phalanx.err.<itself>), and fails when a party receives a
+# subject not listed here, is listed as a receiver and never subscribes, or sends
+# something it is not listed for. phalanx.natsauth derives every role's NATS
+# permissions from this table, senders and receivers.
 PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    HEARTBEAT.pattern: (("rank",), ("failure-detector", "launcher")),
+    # Ranks under a launcher send their heartbeats to it over a unix socket; the
+    # launcher sums them up in its node digest (not a NATS subscription).
+    HEARTBEAT.pattern: (("rank",), ("failure-detector",)),
     NODE_DIGEST.pattern: (("launcher",), ("failure-detector",)),
     REGISTERED.pattern: (("rank",), ("failure-detector", "elasticity-planner")),
     EXITED.pattern: (("launcher",), ("failure-detector", "elasticity-planner")),
@@ -105,13 +116,17 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     JOINED.pattern: (("elasticity-planner",), ("launcher",)),
     DECISION.pattern: (("elasticity-planner",), ("launcher", "operator")),
     ACK.pattern: (("rank",), ("elasticity-planner",)),
-    RECOVERED.pattern: (("rank",), ("elasticity-planner", "state-replication")),
+    RECOVERED.pattern: (("rank",), ("state-replication", "operator")),
     JOB_SPEC.pattern: (("launcher",), ("elasticity-planner",)),
-    PLAN.pattern: (("elasticity-planner",), ("rank", "launcher", "state-replication")),
-    CAPACITY.pattern: (("scheduler-signal",), ("elasticity-planner",)),
-    PREEMPT.pattern: (("scheduler-signal",), ("elasticity-planner",)),
+    # Ranks and launchers also follow the plan in the job's KV record (phalanx_jobs/<job>.plan).
+    PLAN.pattern: (("elasticity-planner",), ("rank", "launcher", "failure-detector", "state-replication")),
+    # No Phalanx service consumes scheduler signals yet: they are there for operators
+    # and custom policies (DESIGN.md), which read PHALANX_SCHED.
+    CAPACITY.pattern: (("scheduler-signal",), ("operator",)),
+    PREEMPT.pattern: (("scheduler-signal",), ("operator",)),
+    # Whoever decodes input through the bus reports what it refused.
     ERROR.pattern: (
-        ("failure-detector", "scheduler-signal", "elasticity-planner", "state-replication", "rank"),
+        ("failure-detector", "elasticity-planner", "state-replication", "rank", "launcher"),
         ("operator",),
     ),
     # request/reply: the requester "sends" the request, the service "receives" it and replies.
@@ -120,6 +135,9 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("failure-detector", "scheduler-signal", "elasticity-planner", "state-replication"),
     ),
 }
+
+# What the KV bucket's keys hold (no headers there: the reader knows the kind by the key).
+KV_RECORDS: dict[str, type[Message]] = {"<job>.plan": JobRecord}
 
 # The request each request/reply subject takes; its reply is ``Subject.message``.
 REQUESTS: dict[str, type[Message]] = {HEALTH.pattern: Ping}
@@ -277,6 +295,14 @@ def examples() -> dict[str, Message]:
             store_prefix="phalanx/j1/g2",
             store_addr="10.0.0.1:29400",
             launch="r-7c41e2a9b0d3",
+            token=4711,
+        ),
+        JobRecord(
+            job="j1",
+            ts=ts,
+            token=4711,
+            plan=None,
+            planner={"run": "r-7c41e2a9b0d3", "phase": "waiting", "nodes": {}, "spares": []},
         ),
         PlanDecision(
             job="j1",
@@ -466,8 +492,10 @@ def subjects_doc() -> dict[str, Any]:
         "kv_buckets": [
             {
                 "name": JOBS_BUCKET,
-                "keys": "<job>.plan",
-                "description": "Each job's committed plan; moves forward only by compare-and-set.",
+                "keys": {key: cls.KIND for key, cls in KV_RECORDS.items()},
+                "description": "Each job's record (its committed plan and the planner's state), "
+                "written only by the planner leader by compare-and-set; 'planner-leader' holds the "
+                "leader's lease (msgpack: holder, ttl_s, at).",
             }
         ],
         "subjects": subjects,

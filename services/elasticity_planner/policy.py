@@ -54,6 +54,11 @@ class JobState:
     lost_launchers: list[str] = field(default_factory=list)
     base_generation: int = 0  # the job's generation when this run began
     start_world: int = 0
+    exited: set[str] = field(default_factory=set)  # workers their launcher saw die: corroboration
+    reforms: int = 0  # re-forms of the same members in a row (backoff, cap)
+    reform_at: float = 0.0  # wall time of the last re-form
+    broken: dict[str, str] = field(default_factory=dict)  # worker -> its failed collective, this generation
+    broken_at: float = 0.0  # wall time of the first such report
 
     @property
     def generation(self) -> int:
@@ -71,11 +76,11 @@ class JobState:
 
 
 def state_to_dict(state: JobState) -> dict[str, Any]:
+    """The planner's part of the job's KV record (the plan is stored beside it)."""
     return {
         "spec": state.spec.model_dump(mode="json"),
         "run": state.run,
         "phase": state.phase.value,
-        "plan": state.plan.model_dump(mode="json") if state.plan else None,
         "nodes": {
             n: {
                 "launcher": s.launcher,
@@ -93,15 +98,20 @@ def state_to_dict(state: JobState) -> dict[str, Any]:
         "lost_launchers": list(state.lost_launchers),
         "base_generation": state.base_generation,
         "start_world": state.start_world,
+        "exited": sorted(state.exited),
+        "reforms": state.reforms,
+        "reform_at": state.reform_at,
+        "broken": dict(state.broken),
+        "broken_at": state.broken_at,
     }
 
 
-def state_from_dict(d: dict[str, Any]) -> JobState:
+def state_from_dict(d: dict[str, Any], plan: Plan | None) -> JobState:
     return JobState(
         spec=JobSpec.model_validate(d["spec"]),
         run=str(d["run"]),
         phase=JobPhase(d["phase"]),
-        plan=Plan.model_validate(d["plan"]) if d["plan"] else None,
+        plan=plan,
         nodes={n: NodeState(**s) for n, s in d["nodes"].items()},
         ranks=list(d["ranks"]),
         spares=list(d["spares"]),
@@ -109,6 +119,11 @@ def state_from_dict(d: dict[str, Any]) -> JobState:
         lost_launchers=list(d["lost_launchers"]),
         base_generation=int(d["base_generation"]),
         start_world=int(d["start_world"]),
+        exited=set(d.get("exited", ())),
+        reforms=int(d.get("reforms", 0)),
+        reform_at=float(d.get("reform_at", 0.0)),
+        broken=dict(d.get("broken", {})),
+        broken_at=float(d.get("broken_at", 0.0)),
     )
 
 

@@ -2,43 +2,60 @@
 
 Inputs (durable JetStream consumers, so a planner restart loses nothing):
 job specs (one per node's launcher), registrations, RankFailed/RankHung,
-NodeLost, plan acknowledgements, exits. Outputs: ``NodeJoined`` answers to the
-launchers, ``PlanDecision`` events (every decision with its reason) and, for a
-membership change, a ``Plan`` committed first in the ``phalanx_jobs`` bucket
-under ``<job>.plan`` by compare-and-set (the generation only moves forward),
-then published with ``Nats-Msg-Id = <job>:plan:<generation>``.
+NodeLost, plan acknowledgements, exits, collective errors. Outputs:
+``NodeJoined`` answers to the launchers, ``PlanDecision`` events (every decision
+with its reason) and, for a membership change, a ``Plan``.
 
-Nodes: the first launcher to join a job that has no live run opens a run (its
-id goes into every plan); later launchers must agree on the run's settings or
-are refused with the reason. Generation 1 starts when ``min_nodes`` nodes have
-joined and all their ranks registered; a node joining a running job brings
-spares. Every plan names the store its members meet on: the current one while
-its node lives, else the store of the first live node.
+One record, one truth. Each job's plan and the planner's state for it are one
+:class:`~phalanx.schemas.JobRecord` in the ``phalanx_jobs`` bucket under
+``<job>.plan``. Every input is handled as a transaction (:meth:`_txn`): the
+decision is computed on a private copy of the job's state, the record is written
+by compare-and-set on the revision that state was read at, and only then does
+the copy become the planner's state and are the answers, decisions and plans
+published. A lost compare-and-set (another planner wrote) reloads the record and
+decides again; any other error (KV unreachable) leaves the planner's state as it
+was and the input is redelivered. A planner that starts rebuilds from the records.
 
-The planner's own state per job (spec, phase, spares, lost workers, current
-plan) is kept in the same bucket under ``<job>.planner`` after every change and
-read back at start, so a restarted planner carries on where the last one was.
+Replicas. Any number of planners may run; they elect a leader by a lease in KV
+(:mod:`.lease`). Only the leader consumes inputs. Its fencing token (the lease's
+revision) is written into every record and plan; a record carrying a higher
+token deposes a planner that still thought it led, and ranks refuse plans with
+a lower token than one they have seen. A standby that takes over rewinds the
+consumers so that what the dead leader held is delivered at once.
+
+Plans no one can miss. Ranks and launchers watch the job's record; besides, the
+planner re-publishes a plan on ``phalanx.cmd.<job>.plan`` until every member has
+acknowledged it (or a newer one replaces it).
+
+Inputs are checked: the subject's job must match the payload's (the bus checks
+that), a collective error must come from a member of the current generation and
+run, and a member that falls silent while its peers report failing collectives
+is fenced only with corroboration (a detector verdict, or its launcher having
+seen it exit); otherwise the same members re-form, with a growing wait and at
+most ``PHALANX_PLANNER_MAX_REFORMS`` times in a row.
 
 Trace: the ``plan`` span (fault received -> plan committed) is a child of the
 incident's ``detect`` span; ``notify`` (committed -> every member acknowledged)
-follows it.
+follows it. The plan carries the trace context, for readers of the record.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import re
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
-import msgpack
 from nats.aio.msg import Msg
-from nats.js.errors import KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
+from phalanx.services.elasticity_planner.lease import Lease, NotLeader
 from phalanx.services.elasticity_planner.policy import (
     Decision,
     Fault,
@@ -69,6 +86,8 @@ from phalanx.runtime.addr import split_addr
 from phalanx.schemas import (
     Action,
     CollectiveError,
+    DecodeError,
+    JobRecord,
     JobSpec,
     Member,
     Message,
@@ -87,27 +106,28 @@ from phalanx.schemas import (
     headers_for,
 )
 from phalanx.service import Service, env_float
+from phalanx.telemetry import inject_headers
 
 _tracer = trace.get_tracer("phalanx.planner")
 
-
 _ENDED = (JobPhase.STOPPED, JobPhase.COMPLETED)
+_Thunk = Callable[[], Awaitable[None]]
+Decide = Callable[[JobState | None], Awaitable[JobState | None]]
 
 
-@dataclass
-class _Broken:
-    first_at: float
-    timer: asyncio.TimerHandle
-    reporters: dict[str, str] = field(default_factory=dict)
+def record_key(job: str) -> str:
+    return f"{job}.plan"
 
 
 @dataclass
 class _Pending:
     """A committed generation waiting for its members' acknowledgements."""
 
-    generation: int
+    plan: Plan
     notify: Span
     waiting: set[str]
+    sent_at: float
+    sends: int = 1
 
 
 class ElasticityPlanner(Service):
@@ -117,175 +137,446 @@ class ElasticityPlanner(Service):
         super().__init__(bus)
         self.policy: Policy = policy or ReplaceOrShrink()
         self.jobs: dict[str, JobState] = {}
-        # registrations that came before their launch's job spec (two streams, no order)
-        self._early: dict[tuple[str, str], list[Registered]] = {}
+        self._revisions: dict[str, int] = {}  # KV revision each job's record was read or written at
+        self._out: list[_Thunk] | None = None  # what the transaction in progress publishes once committed
         self._pending: dict[str, _Pending] = {}
-        self._broken: dict[tuple[str, int], _Broken] = {}  # collective errors awaiting a culprit
+        self._timers: dict[tuple[str, int], asyncio.TimerHandle] = {}  # broken generations' graces
         self.comm_grace_s = env_float("PHALANX_PLANNER_COMM_GRACE_S", 2.0)
+        self.max_reforms = int(env_float("PHALANX_PLANNER_MAX_REFORMS", 5))
+        self.reform_backoff_max_s = env_float("PHALANX_PLANNER_REFORM_BACKOFF_MAX_S", 30.0)
+        self.republish_s = env_float("PHALANX_PLANNER_REPUBLISH_S", 1.0)
+        self.lease_ttl_s = env_float("PHALANX_PLANNER_LEASE_TTL_S", 1.0)
+        self.spec_max_age_s = env_float("PHALANX_PLANNER_SPEC_MAX_AGE_S", 300.0)
         # Handlers of the spec, events and comm-error consumers interleave at every
         # await; one decision at a time keeps each job's state and generation consistent.
         self._lock = asyncio.Lock()
         self.decisions = 0
+        self.conflicts = 0
+        self.refused = 0
         self.spare_wait_s = env_float("PHALANX_PLANNER_SPARE_WAIT_S", 30.0)
-        self._deferred: dict[str, list[tuple[str, dict[str, str], Callable[[], Decision]]]] = {}
+        self._deferred: dict[str, list[tuple[str, dict[str, str], Callable[[JobState], Decision]]]] = {}
         self._waiting_for_spares: set[str] = set()  # incidents whose wait for spares has begun
         self._waited_out: set[str] = set()
+        self._consumers: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.elected_at: float | None = None  # wall time this replica last became leader
 
+    # -- lifecycle and leadership -------------------------------------------------------
     async def start(self) -> None:
         self.kv = await self.bus.js.key_value(JOBS_BUCKET)
-        await self._restore()
-        self.bus.consume(COMMANDS, "planner-spec", [JOB_SPEC.wildcard()], self._on_command, (JobSpec,))
-        self.bus.consume(
-            EVENTS,
-            "planner-events",
-            [
-                REGISTERED.wildcard(),
-                FAILED.wildcard(),
-                HUNG.wildcard(),
-                NODE_LOST.wildcard(),
-                ACK.wildcard(),
-                EXITED.wildcard(),
-            ],
-            self._on_event,
-            (Registered, RankFailed, RankHung, NodeLost, PlanAck, RankExited),
-            ack_wait_s=10.0,
-        )
-        self.bus.consume(
-            EVENTS, "planner-comm-errors", [COMM_ERROR.wildcard()], self._on_comm_error, (CollectiveError,)
-        )
+        self.lease = Lease(self.kv, self.instance, self.lease_ttl_s)
+        if await self.lease.step():  # a lone planner leads before start() returns
+            await self._lead()
+        self._tasks = [
+            asyncio.create_task(self._keep_lease(), name="planner-lease"),
+            asyncio.create_task(self._republish_loop(), name="planner-republish"),
+        ]
+
+    async def _keep_lease(self) -> None:
+        leading = self.lease.is_leader()
+        while True:
+            await asyncio.sleep(self.lease.ttl_s / (3 if leading else 10))
+            try:
+                now_leader = await self.lease.step()
+            except Exception as exc:
+                self.log.warning("lease_step_failed", error=repr(exc))
+                continue
+            if now_leader and not leading:
+                now_leader = await self._lead()
+            elif leading and not now_leader:
+                await self._on_deposed()
+            leading = now_leader
+
+    async def _lead(self) -> bool:
+        """Take over as leader; on failure (KV away, a newer leader) stand by again."""
+        try:
+            await self._on_elected(self.lease.token)
+            return True
+        except Exception as exc:
+            self.log.error("takeover_failed", error=repr(exc))
+            self.lease.resign(f"takeover failed: {exc!r}")
+            await self._on_deposed()
+            return False
+
+    async def _on_elected(self, token: int) -> None:
+        async with self._lock:
+            self.elected_at = time.time()
+            self.log.info("planner_leader", token=token, instance=self.instance)
+            await self._load_all()
+            for stream, durable in (
+                (COMMANDS, "planner-spec"),
+                (EVENTS, "planner-events"),
+                (EVENTS, "planner-comm-errors"),
+            ):
+                try:
+                    await self.bus.rewind(stream, durable)
+                except Exception as exc:  # the consumer then redelivers after its ack_wait
+                    self.log.warning("rewind_failed", durable=durable, error=repr(exc))
+            # A plan the last leader committed but saw not acknowledged: sent again.
+            for state in self.jobs.values():
+                if state.phase is JobPhase.RECOVERING and state.plan is not None:
+                    self._track(state.plan, time.monotonic() - self.republish_s)
+                if state.broken:  # the last leader was waiting out a broken group's grace
+                    self._arm(state)
+            self._consumers = [
+                self.bus.consume(
+                    COMMANDS, "planner-spec", [JOB_SPEC.wildcard()], self._on_command, (JobSpec,)
+                ),
+                self.bus.consume(
+                    EVENTS,
+                    "planner-events",
+                    [
+                        REGISTERED.wildcard(),
+                        FAILED.wildcard(),
+                        HUNG.wildcard(),
+                        NODE_LOST.wildcard(),
+                        ACK.wildcard(),
+                        EXITED.wildcard(),
+                    ],
+                    self._on_event,
+                    (Registered, RankFailed, RankHung, NodeLost, PlanAck, RankExited),
+                    ack_wait_s=10.0,
+                ),
+                self.bus.consume(
+                    EVENTS,
+                    "planner-comm-errors",
+                    [COMM_ERROR.wildcard()],
+                    self._on_comm_error,
+                    (CollectiveError,),
+                ),
+            ]
+
+    async def _on_deposed(self) -> None:
+        """Another replica leads now: stop consuming, forget everything in memory."""
+        self.log.warning("planner_deposed", instance=self.instance)
+        for task in self._consumers:
+            task.cancel()
+        for task in self._consumers:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._consumers = []
+        async with self._lock:
+            self._forget()
+
+    def _forget(self) -> None:
+        for t in self._timers.values():
+            t.cancel()
+        for p in self._pending.values():
+            p.notify.end()
+        self._timers.clear()
+        self._pending.clear()
+        self._deferred.clear()
+        self.jobs.clear()
+        self._revisions.clear()
 
     async def stop(self) -> None:
-        for b in self._broken.values():
-            b.timer.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for t in self._timers.values():
+            t.cancel()
+        await self.lease.release()  # a standby takes over at once, without waiting out the TTL
+
+    def health_details(self) -> dict[str, str | int | float | bool]:
+        return {
+            "jobs": len(self.jobs),
+            "decisions": self.decisions,
+            "leader": self.lease.is_leader(),
+            "token": self.lease.token,
+            "conflicts": self.conflicts,
+            "refused": self.refused,
+        }
+
+    # -- the record: load, write, transactions ----------------------------------------
+    async def _load_all(self) -> None:
+        self.jobs.clear()
+        self._revisions.clear()
+        try:
+            keys = await self.kv.keys()
+        except NoKeysError:
+            return
+        for key in keys:
+            if key.endswith(".plan"):
+                await self._load(key[: -len(".plan")])
+
+    async def _load(self, job: str) -> None:
+        """Read the job's record into the planner's state (the record wins over memory)."""
+        self.jobs.pop(job, None)
+        self._revisions.pop(job, None)
+        try:
+            entry = await self.kv.get(record_key(job))
+        except KeyNotFoundError:
+            return
+        assert entry.revision is not None
+        self._revisions[job] = entry.revision  # even unreadable: it may be overwritten
+        try:
+            record = decode(entry.value or b"", headers_for(JobRecord), JobRecord)
+            state = state_from_dict(record.planner, record.plan) if record.planner else None
+        except Exception as exc:  # a record this version cannot read: say so, start the job afresh
+            self.log.error("job_record_unreadable", job=job, error=repr(exc))
+            return
+        if record.token > self.lease.token:
+            self.lease.fenced(record.token)
+            raise NotLeader(f"the record of {job} was written by a newer leader (token {record.token})")
+        if state is not None:
+            self.jobs[job] = state
+            self.log.info(
+                "job_record_loaded",
+                job=job,
+                phase=state.phase.value,
+                generation=state.generation,
+                spares=state.spares,
+                revision=entry.revision,
+            )
+
+    async def _write(self, state: JobState) -> None:
+        job = state.spec.job
+        token = self.lease.check()
+        record = JobRecord(job=job, token=token, plan=state.plan, planner=state_to_dict(state))
+        payload, _ = encode(record)
+        revision = self._revisions.get(job)
+        if revision is None:
+            self._revisions[job] = await self.kv.create(record_key(job), payload)
+        else:
+            self._revisions[job] = await self.kv.update(record_key(job), payload, last=revision)
+
+    async def _txn(self, job: str, decide: Decide, attempts: int = 5) -> None:
+        """Decide on a copy of ``job``'s state, commit it by compare-and-set, then publish.
+
+        ``decide`` gets a private copy (None: no record) and returns the state to
+        keep; what it publishes goes through :meth:`_later` and leaves only once the
+        record is written. On a lost compare-and-set the record is read again and
+        ``decide`` runs again on it; any other error propagates and changes nothing.
+        """
+        for _ in range(attempts):
+            self.lease.check()
+            current = self.jobs.get(job)
+            before = None if current is None else (state_to_dict(current), current.plan)
+            self._out = []
+            try:
+                state = await decide(copy.deepcopy(current))
+                out = self._out
+            finally:
+                self._out = None
+            changed = state is not None and (state_to_dict(state), state.plan) != before
+            if changed:
+                assert state is not None
+                try:
+                    await self._write(state)
+                except KeyWrongLastSequenceError:
+                    self.conflicts += 1
+                    self.log.warning("record_conflict", job=job, revision=self._revisions.get(job))
+                    await self._load(job)
+                    continue
+            if state is None:
+                self.jobs.pop(job, None)
+            else:
+                self.jobs[job] = state
+            for publish in out:
+                await publish()
+            return
+        raise RuntimeError(f"{job}: lost the record's compare-and-set {attempts} times in a row")
+
+    @contextlib.contextmanager
+    def _plan_span(self, attributes: dict[str, str]) -> Iterator[Span]:
+        """The incident's ``plan`` span (fault received -> plan committed): current while
+        deciding, ended once the transaction has committed, before anything is published."""
+        span = _tracer.start_span("plan", attributes=attributes)
+
+        async def end() -> None:
+            span.end()
+
+        with trace.use_span(span, end_on_exit=False):
+            yield span
+        assert self._out is not None, "a plan span outside a transaction"
+        self._out.insert(0, end)
+
+    def _later(self, publish: _Thunk) -> None:
+        """Publish once the transaction in progress has committed, in the trace context
+        of now (the incident's ``plan`` span, say)."""
+        assert self._out is not None, "publishing outside a transaction"
+        ctx = otel_context.get_current()
+
+        async def run() -> None:
+            token = otel_context.attach(ctx)
+            try:
+                await publish()
+            finally:
+                otel_context.detach(token)
+
+        self._out.append(run)
 
     # -- a broken group with nobody to blame ----------------------------------------------
     async def _on_comm_error(self, msg: Message, raw: Msg) -> None:
-        async with self._lock:
-            await self._on_comm_error_locked(msg)
-
-    async def _on_comm_error_locked(self, msg: Message) -> None:
         """Ranks report failed collectives. Usually a crash or hang explains them and
         its fault arrives within milliseconds; if none has moved the job past that
-        generation within ``comm_grace_s`` (every member is alive: a network blip,
-        a timed-out collective), the same members re-form in a new generation."""
+        generation within the grace (every member is alive: a network blip, a
+        timed-out collective), the group is re-formed (:meth:`_decide_reform`).
+        The reports are part of the record, so a new leader waits out the grace."""
         assert isinstance(msg, CollectiveError)
-        state = self.jobs.get(msg.job)
-        if state is None or msg.generation != state.generation or state.phase in _ENDED:
+        async with self._lock:
+            why = self._comm_error_refusal(msg)
+            if why is not None:
+                await self._refuse(raw.subject, msg, why)
+                return
+
+            async def report(state: JobState | None) -> JobState | None:
+                if state is not None and state.generation == msg.generation:
+                    if not state.broken:
+                        state.broken_at = msg.ts
+                    state.broken[msg.worker] = msg.error[:300]
+                return state
+
+            await self._txn(msg.job, report)
+            if (state := self.jobs.get(msg.job)) is not None and state.broken:
+                self._arm(state)
+
+    def _arm(self, state: JobState, graces: int = 1) -> None:
+        """Start the grace of the job's broken generation, once."""
+        key = (state.spec.job, state.generation)
+        if key in self._timers:
             return
-        key = (msg.job, msg.generation)
-        broken = self._broken.get(key)
-        if broken is None:
-            timer = asyncio.get_running_loop().call_later(
-                self.comm_grace_s, lambda: asyncio.ensure_future(self._reform(key))
-            )
-            broken = self._broken[key] = _Broken(first_at=msg.ts, timer=timer)
-        broken.reporters[msg.worker] = msg.error
+        left = max(0.0, state.broken_at + graces * self._reform_wait(state) - time.time())
+        self._timers[key] = asyncio.get_running_loop().call_later(
+            left, lambda: asyncio.ensure_future(self._reform(key))
+        )
+
+    def _comm_error_refusal(self, msg: CollectiveError) -> str | None:
+        """Why a collective error cannot be taken (None: it is a member's, of now)."""
+        state = self.jobs.get(msg.job)
+        if state is None or state.plan is None or state.phase in _ENDED:
+            return f"job {msg.job} has no running generation"
+        if msg.launch != state.run:
+            return f"run {msg.launch!r} is not the job's run {state.run!r}"
+        if msg.generation != state.generation:
+            return f"generation {msg.generation} is not the current {state.generation}"
+        if state.plan.rank_of(msg.worker) != msg.rank:
+            return f"{msg.worker} is not rank {msg.rank} of generation {state.generation}"
+        return None
+
+    async def _refuse(self, subject: str, msg: Message, why: str) -> None:
+        self.refused += 1
+        self.log.warning("input_refused", subject=subject, kind=msg.KIND, reason=why)
+        await self.bus.report_bad_input(subject, DecodeError(why, msg.KIND))
+
+    def _reform_wait(self, state: JobState) -> float:
+        """The grace before the same members re-form: doubles with each re-form in a row."""
+        return min(self.comm_grace_s * 2 ** self._reforms_in_a_row(state), self.reform_backoff_max_s)
+
+    def _reforms_in_a_row(self, state: JobState) -> int:
+        quiet = max(60.0, 2 * self.reform_backoff_max_s)  # this long without one: the count restarts
+        return state.reforms if time.time() - state.reform_at < quiet else 0
 
     async def _reform(self, key: tuple[str, int]) -> None:
         async with self._lock:
-            await self._reform_locked(key)
+            if self._timers.pop(key, None) is None:
+                return
+            job, generation = key
+            state = self.jobs.get(job)
+            if state is not None and state.generation == generation and self._unexplained(state):
+                # Someone is silent and nobody says it is dead: give the verdicts (or the
+                # launcher's exit report, late after a NATS outage) a second grace.
+                if time.time() < state.broken_at + 2 * self._reform_wait(state) - 0.01:
+                    self._arm(state, graces=2)
+                    return
+            try:
+                await self._txn(job, lambda state: self._decide_reform(state, generation))
+            except Exception as exc:  # KV unreachable or deposed: the next leader re-arms it
+                self.log.error("reform_failed", job=job, generation=generation, error=repr(exc))
 
-    async def _reform_locked(self, key: tuple[str, int]) -> None:
-        broken = self._broken.pop(key)
-        job, generation = key
-        state = self.jobs.get(job)
+    @staticmethod
+    def _unexplained(state: JobState) -> list[str]:
+        """Members silent while their peers report failing collectives, with no report of their death."""
+        if state.plan is None:
+            return []
+        return [
+            m.worker
+            for m in state.plan.members
+            if m.worker not in state.broken and m.worker not in state.exited
+        ]
+
+    async def _decide_reform(self, state: JobState | None, generation: int) -> JobState | None:
         if state is None or state.generation != generation or state.phase in _ENDED or state.plan is None:
-            return  # a fault explained it and was planned, or the job ended
-        reporters = sorted(broken.reporters)
+            return state  # a fault explained it and was planned, or the job ended
+        job = state.spec.job
+        reporters = sorted(state.broken)
         incident = f"{job}:gen{generation}:collective"
         # No fault event opened this incident's trace: its detection is the grace itself.
         with (
             _tracer.start_as_current_span(
                 "detect",
                 context=otel_context.Context(),
-                start_time=int(broken.first_at * 1e9),
+                start_time=int(state.broken_at * 1e9),
                 attributes={
                     "phalanx.job": job,
                     "phalanx.incident": incident,
                     "phalanx.cause": "collective_error",
                     "phalanx.generation": generation,
                     "phalanx.evidence.reporters": ",".join(reporters),
-                    "phalanx.evidence.error": next(iter(broken.reporters.values()))[:300],
+                    "phalanx.evidence.error": next(iter(state.broken.values()), ""),
                 },
             ),
-            _tracer.start_as_current_span(
-                "plan", attributes={"phalanx.job": job, "phalanx.incident": incident}
-            ),
+            self._plan_span({"phalanx.job": job, "phalanx.incident": incident}),
         ):
-            silent = [m.worker for m in state.plan.members if m.worker not in broken.reporters]
-            if not silent:
+            silent = [m.worker for m in state.plan.members if m.worker not in state.broken]
+            # A silent member is fenced only with corroboration: its launcher saw it die.
+            # (A detector verdict goes its own way, as a fault, and moves the generation.)
+            dead = [w for w in silent if w in state.exited]
+            if dead:
+                for worker in dead:
+                    cause = f"exited (its launcher saw it) while {reporters} reported failed collectives"
+                    await self._apply(
+                        state,
+                        f"{incident}:{worker}",
+                        self.policy.on_fault(state, Fault(incident, worker, cause, False)),
+                    )
+                return state
+            row = self._reforms_in_a_row(state)
+            why = f"collectives of generation {generation} failed on {reporters}"
+            if silent:
+                why += f"; {silent} silent but alive as far as anyone can tell"
+            if row >= self.max_reforms:
+                decision = Decision(
+                    Action.STOP,
+                    f"{why}: the group broke {row + 1} times in a row (max_reforms={self.max_reforms}), stopping",
+                )
+            else:
                 decision = Decision(
                     Action.REFORM,
-                    f"collectives of generation {generation} failed on {reporters} and no rank was found "
-                    f"dead or hung within {self.comm_grace_s:g}s: the same members re-form",
+                    f"{why} and no rank was found dead or hung within "
+                    f"{self._reform_wait(state):g}s: the same members re-form",
                     members=list(state.plan.members),
                 )
-                await self._apply(state, incident, decision)
-                return
-            # A member that did not report its collective failing while its peers did
-            # is dead, hung or cut off (and no detector said so, e.g. none is running):
-            # it is treated as lost, and fenced by the plan that replaces it.
-            for worker in silent:
-                cause = f"silent while {reporters} reported failed collectives for {self.comm_grace_s:g}s"
-                await self._apply(
-                    state,
-                    f"{incident}:{worker}",
-                    self.policy.on_fault(state, Fault(incident, worker, cause, hung=True)),
-                )
-
-    # -- persistence -----------------------------------------------------------------
-    async def _save(self, state: JobState) -> None:
-        await self.kv.put(f"{state.spec.job}.planner", msgpack.packb(state_to_dict(state)))
-
-    async def _restore(self) -> None:
-        try:
-            keys = await self.kv.keys()
-        except NoKeysError:
-            return
-        for key in keys:
-            if not key.endswith(".planner"):
-                continue
-            entry = await self.kv.get(key)
-            if not entry.value:
-                continue
-            try:
-                state = state_from_dict(msgpack.unpackb(entry.value))
-            except Exception as exc:  # a record this version cannot read: say so, skip it
-                self.log.error("planner_state_unreadable", key=key, error=repr(exc))
-                continue
-            self.jobs[state.spec.job] = state
-            self.log.info(
-                "planner_state_restored",
-                job=state.spec.job,
-                phase=state.phase.value,
-                generation=state.generation,
-                spares=state.spares,
-            )
-
-    def health_details(self) -> dict[str, str | int | float | bool]:
-        return {"jobs": len(self.jobs), "decisions": self.decisions}
+                state.reforms, state.reform_at = row + 1, time.time()
+            await self._apply(state, incident, decision)
+            return state
 
     # -- inputs ------------------------------------------------------------------
     async def _on_command(self, msg: Message, raw: Msg) -> None:
-        async with self._lock:
-            await self._on_command_locked(msg)
-
-    async def _on_command_locked(self, msg: Message) -> None:
         assert isinstance(msg, JobSpec)
-        state = self.jobs.get(msg.job)
+        async with self._lock:
+            age = time.time() - msg.ts
+            if age > self.spec_max_age_s:  # a replay from before any live launch
+                await self._refuse(raw.subject, msg, f"job spec of launcher {msg.launcher} is {age:.0f}s old")
+                return
+            await self._txn(msg.job, lambda state: self._on_spec(state, msg))
+
+    async def _on_spec(self, state: JobState | None, msg: JobSpec) -> JobState | None:
         if state is not None:
             known = next((n for n, s in state.nodes.items() if s.launcher == msg.launcher), None)
-            if known is not None:  # redelivery: answer again (the answer is de-duplicated)
-                await self._answer(state, msg, state.nodes[known].workers, "already joined")
-                return
+            if known is not None and not state.nodes[known].lost and state.phase not in _ENDED:
+                self._answer(state, msg, state.nodes[known].workers, "already joined")  # a redelivery
+                return state
+        prior = state
         if state is None or state.phase in _ENDED:
             # A new run of the job continues its generations: they only move forward.
             state = JobState(
                 spec=msg,
                 run=f"r-{uuid.uuid4().hex[:12]}",
-                base_generation=await self._committed_generation(msg.job),
+                base_generation=state.generation if state else 0,
             )
-            self.jobs[msg.job] = state
         refusal = self._refusal(state, msg)
         if refusal is not None:
             reason, retry = refusal
@@ -293,13 +584,11 @@ class ElasticityPlanner(Service):
             answer = NodeJoined(
                 job=msg.job, node=msg.node, launcher=msg.launcher, accepted=False, reason=reason, retry=retry
             )
-            await self.bus.publish(JOINED, answer, job=msg.job)  # not de-duplicated: a retry gets its own
-            if not state.nodes:  # it would have opened the run: nothing of it stays
-                del self.jobs[msg.job]
-            return
+            # not de-duplicated: a retry gets its own answer
+            self._later(lambda: self.bus.publish(JOINED, answer, job=msg.job))
+            return prior if not state.nodes else state  # a refused first node opens no run
         workers = self._names(state, msg)
         state.nodes[msg.node] = NodeState(msg.launcher, msg.host, msg.store_addr, workers, msg.ranks)
-        await self._save(state)
         live = len(state.live_nodes())
         reason = f"node {msg.node} joined run {state.run} with {len(workers)} workers"
         reason += (
@@ -308,14 +597,15 @@ class ElasticityPlanner(Service):
             else f" ({live} of min {state.spec.min_nodes} nodes)"
         )
         self.log.info("node_joined", job=msg.job, node=msg.node, workers=workers, run=state.run)
-        await self._answer(state, msg, workers, reason)
-        await self._publish_decision(state, None, Action.JOIN, reason, None, key=f"join:{msg.launcher}")
-        for reg in self._early.pop((msg.job, state.run), []):
-            await self._on_registered(reg)
+        self._answer(state, msg, workers, reason)
+        self._decision(state, None, Action.JOIN, reason, None, key=f"join:{msg.launcher}")
         await self._maybe_start(state)
+        return state
 
     def _refusal(self, state: JobState, spec: JobSpec) -> tuple[str, bool] | None:
         """Why ``spec`` cannot join, and whether asking again later may succeed."""
+        if spec.launcher in state.lost_launchers:
+            return f"launcher {spec.launcher} was declared lost in run {state.run}; start a new one", False
         if not state.nodes:
             return None
         mine, theirs = spec.settings(), state.spec.settings()
@@ -341,24 +631,19 @@ class ElasticityPlanner(Service):
         first = max(taken, default=-1) + 1
         return [f"{stem}{first + i}" for i in range(len(spec.workers))]
 
-    async def _answer(self, state: JobState, spec: JobSpec, workers: list[str], reason: str) -> None:
-        await self._publish_answer(
-            NodeJoined(
-                job=spec.job,
-                node=spec.node,
-                launcher=spec.launcher,
-                accepted=True,
-                run=state.run,
-                as_spares=state.phase is not JobPhase.WAITING,
-                workers=workers,
-                reason=reason,
-            )
+    def _answer(self, state: JobState, spec: JobSpec, workers: list[str], reason: str) -> None:
+        answer = NodeJoined(
+            job=spec.job,
+            node=spec.node,
+            launcher=spec.launcher,
+            accepted=True,
+            run=state.run,
+            as_spares=state.phase is not JobPhase.WAITING,
+            workers=workers,
+            reason=reason,
         )
-
-    async def _publish_answer(self, answer: NodeJoined) -> None:
-        await self.bus.publish(
-            JOINED, answer, job=answer.job, msg_id=f"{answer.job}:joined:{answer.launcher}"
-        )
+        msg_id = f"{answer.job}:joined:{answer.launcher}"
+        self._later(lambda: self.bus.publish(JOINED, answer, job=answer.job, msg_id=msg_id))
 
     async def _maybe_start(self, state: JobState) -> None:
         """Generation 1: once ``min_nodes`` nodes joined and all their ranks registered."""
@@ -381,75 +666,88 @@ class ElasticityPlanner(Service):
 
     async def _on_event(self, msg: Message, raw: Msg) -> None:
         async with self._lock:
-            await self._on_event_locked(msg)
+            if isinstance(msg, PlanAck):
+                await self._on_ack(msg)
+            elif isinstance(msg, Registered):
+                await self._txn(msg.job, lambda state: self._on_registered(state, msg))
+            elif isinstance(msg, RankFailed | RankHung):
+                await self._on_fault(msg)
+            elif isinstance(msg, NodeLost):
+                await self._txn(msg.job, lambda state: self._on_node_lost(state, msg))
+            elif isinstance(msg, RankExited):
+                await self._txn(msg.job, lambda state: self._on_exited(state, msg))
 
-    async def _on_event_locked(self, msg: Message) -> None:
-        if isinstance(msg, Registered):
-            await self._on_registered(msg)
-        elif isinstance(msg, RankFailed | RankHung):
-            await self._on_fault(msg)
-        elif isinstance(msg, NodeLost):
-            await self._on_node_lost(msg)
-        elif isinstance(msg, PlanAck):
-            self._on_ack(msg)
-        elif isinstance(msg, RankExited):
-            state = self.jobs.get(msg.job)
-            if (
-                state
-                and msg.exit_code == 0
-                and state.plan
-                and state.plan.rank_of(msg.worker) is not None
-                and state.phase not in _ENDED
-            ):
-                state.phase = JobPhase.COMPLETED
-                await self._save(state)
-                await self._publish_decision(
-                    state,
-                    None,
-                    Action.COMPLETE,
-                    f"{msg.worker} finished generation {state.generation}: the job is complete",
-                    state.generation,
-                    key="complete",
-                )
+    async def _on_exited(self, state: JobState | None, msg: RankExited) -> JobState | None:
+        if state is None or state.phase in _ENDED or state.node_of(msg.worker) is None:
+            return state
+        if msg.exit_code != 0 or msg.signal:
+            state.exited.add(msg.worker)  # corroborates a silence (see _decide_reform)
+            return state
+        if state.plan and state.plan.rank_of(msg.worker) is not None:
+            state.phase = JobPhase.COMPLETED
+            self._decision(
+                state,
+                None,
+                Action.COMPLETE,
+                f"{msg.worker} finished generation {state.generation}: the job is complete",
+                state.generation,
+                key="complete",
+            )
+        return state
 
-    async def _on_registered(self, reg: Registered) -> None:
-        state = self.jobs.get(reg.job)
+    async def _on_registered(self, state: JobState | None, reg: Registered) -> JobState | None:
         if state is None or state.run != reg.launch:
-            self._early.setdefault((reg.job, reg.launch), []).append(reg)
-            return
+            self.log.info("registration_of_another_run", job=reg.job, worker=reg.worker, launch=reg.launch)
+            return state
         if state.node_of(reg.worker) is None:
             self.log.warning("unknown_worker", job=reg.job, worker=reg.worker)
-            return
+            return state
         if reg.worker in state.lost or reg.worker in state.ranks or reg.worker in state.spares:
-            return  # redelivery
+            return state  # redelivery
         rank = reg.role is Role.RANK and state.phase is JobPhase.WAITING
         (state.ranks if rank else state.spares).append(reg.worker)
-        await self._save(state)
         await self._maybe_start(state)
         if not rank and reg.job in self._deferred:
-            await self._retry_deferred(reg.job)
+            await self._retry_deferred(state)
+        return state
 
-    async def _on_node_lost(self, event: NodeLost) -> None:
-        state = self.jobs.get(event.job)
+    async def _on_node_lost(self, state: JobState | None, event: NodeLost) -> JobState | None:
         node = state.nodes.get(event.node) if state else None
         if state is None or node is None or node.lost or (event.launcher and event.launcher != node.launcher):
             self.log.info("node_lost_ignored", job=event.job, node=event.node, incident=event.incident)
-            return
+            return state
         node.lost = True
         state.lost_launchers.append(node.launcher)
+        cause = f"lost ({event.cause.value})"
+        name = event.node
         await self._plan(
             state,
             event.incident,
             {"phalanx.node": event.node, "phalanx.cause": event.cause.value},
-            lambda: self.policy.on_node_lost(state, event.node, f"lost ({event.cause.value})"),
+            lambda s: self.policy.on_node_lost(s, name, cause),
         )
+        return state
+
+    async def _on_fault(self, event: RankFailed | RankHung) -> None:
+        if event.job not in self.jobs:
+            self.log.warning("fault_for_unknown_job", job=event.job, incident=event.incident)
+            return
+        fault = Fault(event.incident, event.worker, event.cause.value, isinstance(event, RankHung))
+        attributes = {"phalanx.worker": event.worker, "phalanx.cause": event.cause.value}
+
+        async def decide(state: JobState | None) -> JobState | None:
+            if state is not None:
+                await self._plan(state, event.incident, attributes, lambda s: self.policy.on_fault(s, fault))
+            return state
+
+        await self._txn(event.job, decide)
 
     async def _plan(
         self,
         state: JobState,
         incident: str,
         attributes: dict[str, str],
-        decide: Callable[[], Decision],
+        decide: Callable[[JobState], Decision],
     ) -> None:
         """Decide on an incident and apply it, inside the incident's ``plan`` span.
 
@@ -457,16 +755,14 @@ class ElasticityPlanner(Service):
         the first step, before a spare has registered) waits for them, at most
         ``spare_wait_s``: the decision is taken again when one registers.
         """
-        with _tracer.start_as_current_span(
-            "plan",
-            start_time=int(time.time() * 1e9),
-            attributes={"phalanx.job": state.spec.job, "phalanx.incident": incident, **attributes},
+        with self._plan_span(
+            {"phalanx.job": state.spec.job, "phalanx.incident": incident, **attributes}
         ) as span:
-            decision = decide()
+            decision = decide(state)
             starting = self._starting(state) if decision.action in (Action.SHRINK, Action.STOP) else []
             if starting and incident not in self._waited_out:
                 span.set_attribute("phalanx.action", Action.HOLD.value)
-                await self._defer(state, incident, attributes, decide, starting)
+                self._defer(state, incident, attributes, decide, starting)
                 return
             span.set_attribute("phalanx.action", decision.action.value)
             span.set_attribute("phalanx.reason", decision.reason)
@@ -478,12 +774,12 @@ class ElasticityPlanner(Service):
         known = set(state.ranks) | set(state.spares) | state.lost
         return [w for n in state.live_nodes() for w in state.nodes[n].workers if w not in known]
 
-    async def _defer(
+    def _defer(
         self,
         state: JobState,
         incident: str,
         attributes: dict[str, str],
-        decide: Callable[[], Decision],
+        decide: Callable[[JobState], Decision],
         starting: list[str],
     ) -> None:
         job = state.spec.job
@@ -492,57 +788,59 @@ class ElasticityPlanner(Service):
             return  # decided again, still waiting: the first wait's deadline holds
         self._waiting_for_spares.add(incident)
         reason = f"{incident}: waiting up to {self.spare_wait_s:g}s for spare(s) {starting} still starting"
-        await self._publish_decision(state, incident, Action.HOLD, reason, None, key=f"{incident}:waiting")
+        self._decision(state, incident, Action.HOLD, reason, None, key=f"{incident}:waiting")
 
         async def give_up() -> None:
             async with self._lock:
                 self._waited_out.add(incident)
-                await self._retry_deferred(job, only=incident)
+
+                async def again(s: JobState | None) -> JobState | None:
+                    if s is not None:
+                        await self._retry_deferred(s, only=incident)
+                    return s
+
+                with contextlib.suppress(Exception):
+                    await self._txn(job, again)
 
         loop = asyncio.get_running_loop()
         loop.call_later(self.spare_wait_s, lambda: asyncio.ensure_future(give_up()))
 
-    async def _retry_deferred(self, job: str, only: str | None = None) -> None:
-        """Decide the waiting incidents of ``job`` again (a spare registered, or the wait ran out)."""
-        state = self.jobs.get(job)
+    async def _retry_deferred(self, state: JobState, only: str | None = None) -> None:
+        """Decide the waiting incidents of the job again (a spare registered, or the wait ran out)."""
+        job = state.spec.job
         waiting = self._deferred.pop(job, [])
         keep = [d for d in waiting if only is not None and d[0] != only]
         if keep:
             self._deferred[job] = keep
         for incident, attributes, decide in waiting:
-            if state is not None and (only is None or incident == only):
+            if only is None or incident == only:
                 await self._plan(state, incident, attributes, decide)
 
-    async def _on_fault(self, event: RankFailed | RankHung) -> None:
-        state = self.jobs.get(event.job)
-        if state is None:
-            self.log.warning("fault_for_unknown_job", job=event.job, incident=event.incident)
-            return
-        fault = Fault(event.incident, event.worker, event.cause.value, isinstance(event, RankHung))
-        await self._plan(
-            state,
-            event.incident,
-            {"phalanx.worker": event.worker, "phalanx.cause": event.cause.value},
-            lambda: self.policy.on_fault(state, fault),
-        )
-
-    def _on_ack(self, ack: PlanAck) -> None:
+    async def _on_ack(self, ack: PlanAck) -> None:
         pending = self._pending.get(ack.job)
-        if pending is None or ack.generation != pending.generation:
-            return
+        if pending is None or ack.generation != pending.plan.generation or ack.worker not in pending.waiting:
+            return  # stale, duplicate, or not a member of that plan
         pending.waiting.discard(ack.worker)
-        if not pending.waiting:
-            pending.notify.end()
-            del self._pending[ack.job]
-            state = self.jobs.get(ack.job)
-            if state and state.phase is JobPhase.RECOVERING:
+        if pending.waiting:
+            return
+        pending.notify.end()
+        del self._pending[ack.job]
+        self.log.info("plan_acknowledged", job=ack.job, generation=ack.generation, sends=pending.sends)
+
+        async def running(state: JobState | None) -> JobState | None:
+            if (
+                state is not None
+                and state.phase is JobPhase.RECOVERING
+                and state.generation == ack.generation
+            ):
                 state.phase = JobPhase.RUNNING
-            self.log.info("plan_acknowledged", job=ack.job, generation=ack.generation)
+            return state
+
+        await self._txn(ack.job, running)
 
     # -- decisions -----------------------------------------------------------------
     async def _apply(self, state: JobState, incident: str | None, d: Decision) -> None:
         job = state.spec.job
-        self.decisions += 1
         for w in d.removed:
             state.lost.add(w)
             if w in state.spares:
@@ -567,14 +865,18 @@ class ElasticityPlanner(Service):
                 nodes={w: n for w in workers if (n := state.node_of(w)) is not None},
                 lost_launchers=list(state.lost_launchers),
                 lost_hosts=self._lost_hosts(state),
+                token=self.lease.check(),
+                trace=inject_headers({}),
             )
-            await self._commit(plan)
+            if d.action is not Action.REFORM:
+                state.reforms = 0
+            state.broken, state.broken_at = {}, 0.0
             state.plan = plan
             state.phase = JobPhase.RECOVERING if incident else JobPhase.RUNNING
+            self._later(lambda: self._announce(plan))
         elif d.action is Action.STOP:
             state.phase = JobPhase.STOPPED
-        await self._save(state)
-        await self._publish_decision(state, incident, d.action, d.reason, generation, key=incident or "start")
+        self._decision(state, incident, d.action, d.reason, generation, key=incident or "start")
 
     @staticmethod
     def _lost_hosts(state: JobState) -> list[str]:
@@ -591,7 +893,7 @@ class ElasticityPlanner(Service):
             return current
         return next((s.store_addr for s in state.nodes.values() if not s.lost), "")
 
-    async def _publish_decision(
+    def _decision(
         self,
         state: JobState,
         incident: str | None,
@@ -601,39 +903,25 @@ class ElasticityPlanner(Service):
         key: str,
     ) -> None:
         job = state.spec.job
-        self.log.info(
-            "decision", job=job, incident=incident, action=action.value, reason=reason, generation=generation
-        )
-        await self.bus.publish(
-            DECISION,
-            PlanDecision(job=job, incident=incident, action=action, reason=reason, generation=generation),
-            job=job,
-            msg_id=f"{job}:{state.run}:decision:{key}",
-        )
+        event = PlanDecision(job=job, incident=incident, action=action, reason=reason, generation=generation)
+        msg_id = f"{job}:{state.run}:decision:{key}"
 
-    async def _committed_generation(self, job: str) -> int:
-        try:
-            entry = await self.kv.get(f"{job}.plan")
-        except Exception:  # no plan committed for this job yet
-            return 0
-        return decode(entry.value, headers_for(Plan), Plan).generation if entry.value else 0
+        async def publish() -> None:
+            self.decisions += 1
+            self.log.info(
+                "decision",
+                job=job,
+                incident=incident,
+                action=action.value,
+                reason=reason,
+                generation=generation,
+            )
+            await self.bus.publish(DECISION, event, job=job, msg_id=msg_id)
 
-    async def _commit(self, plan: Plan) -> None:
-        """Compare-and-set the job's plan in KV, then publish it."""
-        key = f"{plan.job}.plan"
-        payload, _ = encode(plan)
-        try:
-            entry = await self.kv.get(key)
-            current = entry.revision
-        except Exception:
-            current = None
-        try:
-            if current is None:
-                await self.kv.create(key, payload)
-            else:
-                await self.kv.update(key, payload, last=current)
-        except KeyWrongLastSequenceError as exc:
-            raise RuntimeError(f"plan {plan.job} gen {plan.generation}: lost the compare-and-set") from exc
+        self._later(publish)
+
+    # -- telling the members -------------------------------------------------------------
+    def _track(self, plan: Plan, sent_at: float) -> None:
         prev = self._pending.pop(plan.job, None)
         if prev is not None:
             prev.notify.set_attribute("phalanx.superseded_by", plan.generation)
@@ -641,5 +929,37 @@ class ElasticityPlanner(Service):
         notify = _tracer.start_span(
             "notify", attributes={"phalanx.job": plan.job, "phalanx.generation": plan.generation}
         )
-        self._pending[plan.job] = _Pending(plan.generation, notify, {m.worker for m in plan.members})
+        self._pending[plan.job] = _Pending(plan, notify, {m.worker for m in plan.members}, sent_at)
+
+    async def _announce(self, plan: Plan) -> None:
+        """A committed plan: track its acknowledgements and publish it."""
+        self._track(plan, time.monotonic())
         await self.bus.publish(PLAN, plan, job=plan.job, msg_id=f"{plan.job}:plan:{plan.generation}")
+
+    async def _republish_loop(self) -> None:
+        """Send again every plan some member has not acknowledged, backing off to 8x."""
+        while True:
+            await asyncio.sleep(self.republish_s / 4)
+            now = time.monotonic()
+            for pending in list(self._pending.values()):
+                if now - pending.sent_at < self.republish_s * min(2 ** (pending.sends - 1), 8):
+                    continue
+                plan = pending.plan
+                pending.sends += 1
+                pending.sent_at = now
+                self.log.info(
+                    "plan_republished",
+                    job=plan.job,
+                    generation=plan.generation,
+                    waiting=sorted(pending.waiting),
+                )
+                try:
+                    await self.bus.publish(
+                        PLAN,
+                        plan,
+                        job=plan.job,
+                        msg_id=f"{plan.job}:plan:{plan.generation}:{pending.sends}",
+                        retry_for_s=2.0,
+                    )
+                except Exception as exc:
+                    self.log.warning("plan_republish_failed", job=plan.job, error=repr(exc))

@@ -37,17 +37,22 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    env = {
+def stack_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """What the services and ranks of an e2e stack run with."""
+    return {
         "PHALANX_STALL_FLOOR_MS": "1500",
         "PHALANX_STALL_INITIAL_MS": "10000",
         "PHALANX_PLANNER_COMM_GRACE_S": "1.0",
         # data order and prepared shards in the test's own directory, not /dev/shm
         "PHALANX_DATA_CACHE_DIR": str(tmp_path_factory.mktemp("datacache")),
     }
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    services = ("failure-detector", "elasticity-planner")
     with LocalStack(
-        tmp_path_factory.mktemp("stack"), services=("failure-detector", "elasticity-planner"), env=env
+        tmp_path_factory.mktemp("stack"), services=services, env=stack_env(tmp_path_factory)
     ) as s:
         yield s
 
@@ -55,9 +60,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 RunJob = Callable[..., tuple[JobResult, dict[str, torch.Tensor] | None]]
 
 
-@pytest.fixture(scope="session")
-def run_job(stack: LocalStack, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> RunJob:
-    out = tmp_path_factory.mktemp("weights")
+def runner(stack: LocalStack, corpus: Path, out: Path) -> RunJob:
+    """Run the small GPT as a job on ``stack``: (its result, its final weights)."""
     counter = iter(range(1_000_000))
 
     def run(
@@ -68,8 +72,9 @@ def run_job(stack: LocalStack, corpus: Path, tmp_path_factory: pytest.TempPathFa
         steps: int = STEPS,
         timeout_s: float = 180.0,
         min_nproc: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> tuple[JobResult, dict[str, torch.Tensor] | None]:
-        job = f"e2e{next(counter)}"
+        job = f"{out.name}{next(counter)}"
         save = out / f"{job}.pt"
         cmd = train_command(steps, corpus, *SMALL_GPT, save=save)
         result = stack.run_job(
@@ -81,11 +86,17 @@ def run_job(stack: LocalStack, corpus: Path, tmp_path_factory: pytest.TempPathFa
             global_batch=12,
             timeout_s=timeout_s,
             min_nproc=min_nproc,
+            env=env,
         )
         weights = torch.load(save) if save.exists() else None
         return result, weights
 
     return run
+
+
+@pytest.fixture(scope="session")
+def run_job(stack: LocalStack, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> RunJob:
+    return runner(stack, corpus, tmp_path_factory.mktemp("e2e"))
 
 
 Reference = Callable[[int], dict[str, torch.Tensor]]

@@ -95,7 +95,7 @@ async def test_a_node_that_disagrees_with_the_job_is_refused_and_changes_nothing
         await bus.publish(JOB_SPEC, spec, job="mn", msg_id="spec-a")
         assert (await asyncio.wait_for(answers.get(), 15)).accepted
         kv = await bus.js.key_value(JOBS_BUCKET)
-        before = (await kv.get("mn.planner")).value
+        before = (await kv.get("mn.plan")).revision
         args = [
             "--nnodes",
             "2",
@@ -113,7 +113,7 @@ async def test_a_node_that_disagrees_with_the_job_is_refused_and_changes_nothing
         assert "refused node 'b'" in done.stderr and "global_batch=16 (the job has 32)" in done.stderr
         refusal = await asyncio.wait_for(answers.get(), 15)
         assert not refusal.accepted and not refusal.retry  # settings never change: no use asking again
-        assert (await kv.get("mn.planner")).value == before  # the planner's record did not move
+        assert (await kv.get("mn.plan")).revision == before  # the job's record did not move
     finally:
         planner.terminate()
         planner.wait(30)

@@ -15,25 +15,20 @@ from phalanx.services.elasticity_planner.service import ElasticityPlanner
 from phalanx.bus import JOBS_BUCKET, Bus
 from phalanx.bus.subjects import (
     COMM_ERROR,
-    DECISION,
+    ERROR,
     EXITED,
     FAILED,
     HUNG,
-    JOB_SPEC,
-    JOINED,
     NODE_LOST,
-    PLAN,
     REGISTERED,
 )
 from phalanx.schemas import (
     Action,
     CollectiveError,
+    ErrorEvent,
     FaultCause,
-    JobSpec,
-    NodeJoined,
+    JobRecord,
     NodeLost,
-    Plan,
-    PlanDecision,
     RankExited,
     RankFailed,
     RankHung,
@@ -43,30 +38,7 @@ from phalanx.schemas import (
     headers_for,
 )
 from phalanx.service import run_service
-
-JOB = "pj"
-
-
-class Watcher:
-    """Collects plans and decisions of the job from core subscriptions."""
-
-    def __init__(self) -> None:
-        self.plans: list[Plan] = []
-        self.decisions: list[PlanDecision] = []
-        self.changed = asyncio.Event()
-
-    async def on_msg(self, raw: Msg) -> None:
-        msg = decode(raw.data, raw.headers)
-        (self.plans if isinstance(msg, Plan) else self.decisions).append(msg)  # type: ignore[arg-type]
-        self.changed.set()
-
-    async def wait_for(self, pred: object, timeout: float = 15.0) -> None:
-        async def loop() -> None:
-            while not pred():  # type: ignore[operator]
-                self.changed.clear()
-                await self.changed.wait()
-
-        await asyncio.wait_for(loop(), timeout)
+from tests.integration.planning import JOB, Watcher, failed, join, start_job
 
 
 @contextlib.asynccontextmanager
@@ -78,71 +50,6 @@ async def planner(url: str) -> AsyncIterator[None]:
     finally:
         stop.set()
         await task
-
-
-async def join(
-    bus: Bus,
-    ranks: int = 3,
-    spares: int = 1,
-    *,
-    launcher: str = "L1",
-    node: str = "local",
-    workers: list[str] | None = None,
-    register: bool = True,
-    **settings: object,
-) -> NodeJoined:
-    """One node's launcher joins: its spec, the planner's answer, then its workers register."""
-    answers: asyncio.Queue[NodeJoined] = asyncio.Queue()
-
-    async def on_answer(raw: Msg) -> None:
-        msg = decode(raw.data, raw.headers, NodeJoined)
-        if msg.launcher == launcher:
-            answers.put_nowait(msg)
-
-    sub = await bus.nc.subscribe(JOINED.format(job=JOB), cb=on_answer)
-    names = workers or [f"w{i}" for i in range(ranks + spares)]
-    spec = JobSpec(
-        job=JOB,
-        node=node,
-        launcher=launcher,
-        store_addr=f"store-{launcher}:29400",
-        workers=names,
-        ranks=ranks,
-        **{"global_batch": 12, **settings},  # type: ignore[arg-type]
-    )
-    await bus.publish(JOB_SPEC, spec, job=JOB, msg_id=f"spec-{launcher}")
-    answer = await asyncio.wait_for(answers.get(), 15)
-    await sub.unsubscribe()
-    if answer.accepted and register:
-        for i, w in enumerate(answer.workers):
-            role = Role.RANK if i < ranks and not answer.as_spares else Role.SPARE
-            reg = Registered(job=JOB, worker=w, role=role, host=node, pid=100 + i, launch=answer.run)
-            await bus.publish(REGISTERED, reg, job=JOB, msg_id=f"reg-{answer.run}-{w}")
-    return answer
-
-
-async def start_job(bus: Bus, ranks: int = 3, spares: int = 1) -> NodeJoined:
-    return await join(bus, ranks, spares)
-
-
-def failed(worker: str, rank: int, generation: int = 1, pid: int = 101) -> RankFailed:
-    return RankFailed(
-        job=JOB,
-        incident=f"{JOB}:{worker}:{pid}",
-        worker=worker,
-        rank=rank,
-        generation=generation,
-        cause=FaultCause.PROCESS_EXIT,
-        fault_at=1.0,
-    )
-
-
-@pytest.fixture
-async def watcher(bus: Bus) -> Watcher:
-    w = Watcher()
-    await bus.nc.subscribe(PLAN.format(job=JOB), cb=w.on_msg)
-    await bus.nc.subscribe(DECISION.format(job=JOB), cb=w.on_msg)
-    return w
 
 
 async def test_replace_survives_a_planner_restart(nats_url: str, bus: Bus, watcher: Watcher) -> None:
@@ -182,7 +89,8 @@ async def test_replace_survives_a_planner_restart(nats_url: str, bus: Bus, watch
     kv = await bus.js.key_value(JOBS_BUCKET)
     entry = await kv.get(f"{JOB}.plan")
     assert entry.value is not None
-    assert decode(entry.value, headers_for(Plan), Plan).generation == 2
+    record = decode(entry.value, headers_for(JobRecord), JobRecord)
+    assert record.plan is not None and record.plan.generation == 2
 
 
 async def test_no_spare_left_is_a_stop_decision(nats_url: str, bus: Bus, watcher: Watcher) -> None:
@@ -288,11 +196,11 @@ async def test_a_broken_group_with_nobody_dead_reforms(
 ) -> None:
     monkeypatch.setenv("PHALANX_PLANNER_COMM_GRACE_S", "0.3")
     async with planner(nats_url):
-        await start_job(bus)
+        run = (await start_job(bus)).run
         await watcher.wait_for(lambda: len(watcher.plans) == 1)
         for w, r in (("w0", 0), ("w1", 1), ("w2", 2)):
             err = CollectiveError(
-                job=JOB, worker=w, rank=r, generation=1, step=4, error="Connection reset by peer"
+                job=JOB, worker=w, rank=r, generation=1, step=4, error="Connection reset by peer", launch=run
             )
             await bus.publish(COMM_ERROR, err, job=JOB)
         await watcher.wait_for(lambda: len(watcher.plans) == 2)
@@ -308,10 +216,10 @@ async def test_a_crash_explains_the_collective_errors(
 ) -> None:
     monkeypatch.setenv("PHALANX_PLANNER_COMM_GRACE_S", "0.3")
     async with planner(nats_url):
-        await start_job(bus)
+        run = (await start_job(bus)).run
         await watcher.wait_for(lambda: len(watcher.plans) == 1)
         err = CollectiveError(
-            job=JOB, worker="w0", rank=0, generation=1, step=4, error="Connection closed by peer"
+            job=JOB, worker="w0", rank=0, generation=1, step=4, error="Connection closed by peer", launch=run
         )
         await bus.publish(COMM_ERROR, err, job=JOB)
         event = failed("w1", 1)
@@ -326,25 +234,108 @@ async def test_a_crash_explains_the_collective_errors(
     assert Action.REFORM not in [d.action for d in watcher.decisions]
 
 
-async def test_a_member_silent_among_failing_peers_is_replaced(
+def comm_error(worker: str, rank: int, run: str, generation: int = 1) -> CollectiveError:
+    return CollectiveError(
+        job=JOB,
+        worker=worker,
+        rank=rank,
+        generation=generation,
+        step=4,
+        error="Connection closed by peer",
+        launch=run,
+    )
+
+
+async def test_a_silent_member_whose_launcher_saw_it_die_is_replaced(
     nats_url: str, bus: Bus, watcher: Watcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # w1 died and no detector reported it (none is running): w0 and w2 report their
-    # collectives failing, w1 says nothing. It must not be re-formed into the group.
+    # collectives failing, w1 says nothing, and its launcher saw it exit. That
+    # corroborates the silence: w1 is replaced, not re-formed into the group.
     monkeypatch.setenv("PHALANX_PLANNER_COMM_GRACE_S", "0.3")
     async with planner(nats_url):
-        await start_job(bus)
+        run = (await start_job(bus)).run
         await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        died = RankExited(job=JOB, worker="w1", pid=101, host="h", exit_code=None, signal=9, exited_at=1.0)
+        await bus.publish(EXITED, died, job=JOB, msg_id="w1-died")
         for w, r in (("w0", 0), ("w2", 2)):
-            err = CollectiveError(
-                job=JOB, worker=w, rank=r, generation=1, step=4, error="Connection closed by peer"
-            )
-            await bus.publish(COMM_ERROR, err, job=JOB)
+            await bus.publish(COMM_ERROR, comm_error(w, r, run), job=JOB)
         await watcher.wait_for(lambda: len(watcher.plans) == 2)
     replaced = watcher.plans[1]
     assert replaced.rank_of("w3") == 1 and replaced.removed == ["w1"]
     decision = next(d for d in watcher.decisions if d.generation == 2)
-    assert decision.action is Action.REPLACE and "silent while ['w0', 'w2']" in decision.reason
+    assert decision.action is Action.REPLACE and "while ['w0', 'w2']" in decision.reason
+
+
+async def test_a_silent_member_without_corroboration_is_not_fenced(
+    nats_url: str, bus: Bus, watcher: Watcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two members claim their collectives failed; the third says nothing and nobody
+    # (no detector verdict, no launcher) says it is dead: it is not fenced on that
+    # word alone, the same members re-form. Re-forms back off and are capped.
+    monkeypatch.setenv("PHALANX_PLANNER_COMM_GRACE_S", "0.2")
+    monkeypatch.setenv("PHALANX_PLANNER_MAX_REFORMS", "2")
+    async with planner(nats_url):
+        run = (await start_job(bus)).run
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        for generation in (1, 2, 3):
+            for w, r in (("w0", 0), ("w2", 2)):
+                await bus.publish(COMM_ERROR, comm_error(w, r, run, generation), job=JOB)
+            await watcher.wait_for(
+                lambda g=generation: any(
+                    d.generation == g + 1 or d.action is Action.STOP for d in watcher.decisions
+                )
+            )
+    actions = [d.action for d in watcher.decisions if d.incident and d.incident.endswith(":collective")]
+    assert actions == [Action.REFORM, Action.REFORM, Action.STOP]
+    assert all(p.removed == [] for p in watcher.plans)  # nobody fenced
+    assert "['w1'] silent but alive" in watcher.decisions[-1].reason
+    assert "max_reforms=2" in watcher.decisions[-1].reason
+
+
+async def test_forged_comm_errors_are_refused_and_change_nothing(
+    nats_url: str, bus: Bus, watcher: Watcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PHALANX_PLANNER_COMM_GRACE_S", "0.2")
+    errors: list[ErrorEvent] = []
+
+    async def on_error(raw: Msg) -> None:
+        errors.append(decode(raw.data, raw.headers, ErrorEvent))
+
+    await bus.nc.subscribe(ERROR.format(service="elasticity-planner"), cb=on_error)
+    async with planner(nats_url):
+        run = (await start_job(bus)).run
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        forged = [
+            comm_error("w9", 1, run),  # no member
+            comm_error("w3", 1, run),  # the spare, not a member
+            comm_error("w0", 2, run),  # a member, with another's rank
+            comm_error("w0", 0, "r-another"),  # another run
+            comm_error("w0", 0, run, generation=7),  # a generation that does not exist
+        ]
+        for err in forged:
+            await bus.publish(COMM_ERROR, err, job=JOB)
+        # And one on another job's subject: the payload's job does not match it.
+        await bus.publish(COMM_ERROR, comm_error("w0", 0, run).model_copy(update={"job": "other"}), job=JOB)
+        await asyncio.wait_for(_until(lambda: len(errors) == len(forged) + 1), 15)
+        await asyncio.sleep(0.5)  # past the grace: no re-form, no fence
+    assert len(watcher.plans) == 1
+    assert [d.action for d in watcher.decisions if d.action not in (Action.JOIN, Action.START)] == []
+    reasons = " | ".join(e.reason for e in errors)
+    for why in (
+        "w9 is not rank 1",
+        "w3 is not rank 1",
+        "w0 is not rank 2",
+        "run 'r-another'",
+        "generation 7",
+    ):
+        assert why in reasons
+    assert "collective_error of job 'other' on phalanx.evt.pj.comm_error" in reasons
+
+
+async def _until(pred: object) -> None:
+    while not pred():  # type: ignore[operator]
+        await asyncio.sleep(0.02)
 
 
 async def _register(bus: Bus, run: str, worker: str, role: Role, pid: int) -> None:

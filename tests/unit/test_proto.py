@@ -110,6 +110,11 @@ def validate(
                 len(value) >= arg if key == "minItems" else len(value) <= arg
             ):
                 errors.append(f"{path}: {len(value)} items violate {key} {arg}")
+        elif key in ("minProperties", "maxProperties"):
+            if isinstance(value, dict) and not (
+                len(value) >= arg if key == "minProperties" else len(value) <= arg
+            ):
+                errors.append(f"{path}: {len(value)} properties violate {key} {arg}")
         elif key == "pattern":
             if isinstance(value, str) and not re.search(arg, value):
                 errors.append(f"{path}: {value!r} does not match {arg}")
@@ -168,7 +173,11 @@ def test_every_catalogue_subject_carries_a_registered_message() -> None:
 
 
 def test_every_registered_message_travels_somewhere() -> None:
-    carried = {s.message.KIND for s in CATALOGUE} | {m.KIND for m in proto.REQUESTS.values()}
+    carried = (
+        {s.message.KIND for s in CATALOGUE}
+        | {m.KIND for m in proto.REQUESTS.values()}
+        | {m.KIND for m in proto.KV_RECORDS.values()}
+    )
     orphans = set(registry()) - carried
     assert not orphans, f"registered kinds on no subject: {sorted(orphans)}"
 
@@ -293,7 +302,9 @@ def test_asyncapi_says_who_sends_and_receives_scheduler_signals() -> None:
     doc = json.loads((ROOT / "asyncapi.json").read_text())
     ops = doc["operations"]
     assert ops["scheduler-signal.send.capacity_changed"]["channel"] == {"$ref": "#/channels/capacity_changed"}
-    assert ops["elasticity-planner.receive.preemption_notice"]["action"] == "receive"
+    # nobody in Phalanx consumes them yet: operators and custom policies (PARTIES)
+    assert ops["operator.receive.preemption_notice"]["action"] == "receive"
+    assert not any(k.startswith("elasticity-planner.receive.") and "capacity" in k for k in ops)
     assert "reply" in ops["state-replication.receive.health"]
 
 

@@ -5,11 +5,12 @@ client beside it: it registers the worker, heartbeats (so a long step never
 looks like a hang, while a stopped or dead process falls silent), follows the
 job's plans, acknowledges them at once, and publishes what the trainer reports.
 
-Plans are fenced by generation: :meth:`Agent.wait_plan` only returns a plan
-newer than the one the caller has, and a stale or duplicated plan is dropped.
-The latest plan is also read from the ``phalanx_jobs`` KV bucket at start and
-after every reconnect, so a worker that subscribes after the plan was published,
-or was cut off while it was, still sees it.
+Plans are fenced by the planner's token and by generation: :meth:`Agent.wait_plan`
+only returns a plan newer than the one the caller has, a stale or duplicated
+plan is dropped, and so is one from a planner replaced by a newer leader. Plans
+come from the job's KV record, watched, and from the plan subject
+(:class:`~phalanx.runtime.follow.PlanFollower`), so a worker that started after
+the plan was committed, or was cut off while it was, still sees it.
 """
 
 from __future__ import annotations
@@ -23,23 +24,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 
-from phalanx.bus import JOBS_BUCKET, Bus, Subject
-from phalanx.bus.subjects import ACK, PLAN, REGISTERED
+from phalanx.bus import Bus, Subject
+from phalanx.bus.subjects import ACK, REGISTERED
+from phalanx.runtime.follow import PlanFollower
 from phalanx.runtime.heartbeat import HeartbeatPublisher
 from phalanx.runtime.sever import sever
 from phalanx.runtime.status import RankStatus
 from phalanx.schemas import (
-    DecodeError,
     Message,
     Plan,
     PlanAck,
     Registered,
     Role,
-    decode,
-    headers_for,
 )
 from phalanx.telemetry import extract_context, get_logger
 
@@ -49,10 +47,6 @@ class PlanEnvelope:
     plan: Plan
     received_at: float  # time.time() when the agent got it
     context: otel_context.Context  # the incident's trace, from the message headers
-
-
-def plan_key(job: str) -> str:
-    return f"{job}.plan"
 
 
 class Agent:
@@ -81,6 +75,8 @@ class Agent:
         self._hb_task: asyncio.Task[None] | None = None
         self._hb: HeartbeatPublisher | None = None
         self._severed: set[str] = set()
+        self._token = 0  # the highest planner fencing token seen in a plan
+        self._follower: PlanFollower | None = None
 
     # -- lifecycle ------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> Agent:
@@ -90,12 +86,10 @@ class Agent:
 
     async def _start(self) -> None:
         self._bus = bus = await Bus.connect(self.url, name=f"rank-{self.status.worker}", ensure=False)
-        await bus.nc.subscribe(PLAN.format(job=self.status.job), cb=self._on_plan_msg)
-        self._hb = hb = HeartbeatPublisher(bus, self.status, self._heartbeat_s)
-        self._hb_task = asyncio.create_task(hb.run())
-        # A plan committed before we subscribed, or while we were disconnected, is in KV.
-        await self._load_committed()
-        bus.reconnect_hooks.append(self._load_committed)
+        # The job's record in KV, watched (a plan committed before we started, or
+        # while we were cut off, is replayed), and the plan subject.
+        self._follower = PlanFollower(bus, self.status.job, self._offer)
+        await self._follower.start()
         await bus.publish(
             REGISTERED,
             Registered(
@@ -110,6 +104,9 @@ class Agent:
             job=self.status.job,
             msg_id=f"{self.status.job}:{self.status.worker}:{os.getpid()}:registered",
         )
+        # Heartbeats after the registration: the detector takes them from this pid only.
+        self._hb = hb = HeartbeatPublisher(bus, self.status, self._heartbeat_s)
+        self._hb_task = asyncio.create_task(hb.run())
 
     def close(self, timeout_s: float = 5.0) -> None:
         if not self._thread.is_alive():
@@ -122,6 +119,8 @@ class Agent:
                 # Say goodbye, so the detector does not take the silence for a hang.
                 if self._hb is not None:
                     await self._hb.goodbye()  # the launcher's socket or NATS, as the heartbeats went
+                if self._follower is not None:
+                    await self._follower.stop()
                 await self._bus.close()
 
         with contextlib.suppress(Exception):
@@ -133,36 +132,34 @@ class Agent:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     # -- plans ----------------------------------------------------------------
-    async def _load_committed(self) -> None:
-        assert self._bus is not None
-        try:
-            kv = await self._bus.js.key_value(JOBS_BUCKET)
-            entry = await kv.get(plan_key(self.status.job))
-            if entry.value:
-                self._offer(decode(entry.value, headers_for(Plan), Plan), time.time(), {})
-        except Exception as exc:  # no bucket or key yet: the plan will come by message
-            self.log.debug("no_committed_plan", error=repr(exc))
-
-    async def _on_plan_msg(self, raw: Msg) -> None:
-        received = time.time()
-        try:
-            plan = decode(raw.data, raw.headers, Plan)
-        except DecodeError as err:
-            if self._bus:
-                await self._bus.report_bad_input(raw.subject, err)
-            return
-        self._offer(plan, received, raw.headers or {})
-
-    def _offer(self, plan: Plan, received: float, headers: dict[str, str]) -> None:
+    def _offer(self, plan: Plan, by_message: bool) -> None:
         if plan.job != self.status.job or plan.launch != self.launch:
             return  # another job, or a plan an earlier launch of this job left in KV
+        received = time.time()
         with self._cond:
-            if self._latest is not None and plan.generation <= self._latest.plan.generation:
+            if plan.token < self._token:
+                self.log.warning(
+                    "plan_fenced", generation=plan.generation, token=plan.token, seen=self._token
+                )
+                return  # from a planner that has been replaced
+            self._token = plan.token
+            latest = self._latest
+            if latest is not None and plan.generation <= latest.plan.generation:
+                # A re-send of our plan some time after we got it: our ack may be lost.
+                if (
+                    by_message
+                    and plan.generation == latest.plan.generation
+                    and received - latest.received_at > 0.5
+                ):
+                    self._ack(plan)
                 return  # stale or duplicate: fenced
-            self._latest = PlanEnvelope(plan, received, extract_context(headers))
+            self._latest = PlanEnvelope(plan, received, extract_context(plan.trace))
             self._cond.notify_all()
-        self.log.info("plan_received", generation=plan.generation, reason=plan.reason)
+        self.log.info("plan_received", generation=plan.generation, reason=plan.reason, by_message=by_message)
         self._cut_lost_hosts(plan)
+        self._ack(plan)
+
+    def _ack(self, plan: Plan) -> None:
         rank = plan.rank_of(self.status.worker)
         if rank is not None and self._bus is not None:
             ack = PlanAck(job=plan.job, generation=plan.generation, worker=self.status.worker, rank=rank)
@@ -191,12 +188,19 @@ class Agent:
 
     def wait_plan(self, newer_than: int, timeout_s: float | None = None) -> PlanEnvelope | None:
         """Block until a plan with ``generation > newer_than`` arrives (None on timeout)."""
-        with self._cond:
-            ok = self._cond.wait_for(
-                lambda: self._latest is not None and self._latest.plan.generation > newer_than,
-                timeout_s,
-            )
-            return self._latest if ok else None
+        follower = self._follower
+        if follower is not None:
+            follower.eager = True  # re-read the record while waiting, in case the watch stalled
+        try:
+            with self._cond:
+                ok = self._cond.wait_for(
+                    lambda: self._latest is not None and self._latest.plan.generation > newer_than,
+                    timeout_s,
+                )
+                return self._latest if ok else None
+        finally:
+            if follower is not None:
+                follower.eager = False
 
     def superseded(self, generation: int) -> bool:
         latest = self._latest

@@ -51,10 +51,12 @@ from nats.aio.msg import Msg
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-from phalanx.bus import JOBS_BUCKET, Bus, nats_url
-from phalanx.bus.subjects import DECISION, EXITED, JOB_SPEC, JOINED, PLAN
+from phalanx.bus import Bus, nats_url
+from phalanx.bus.subjects import DECISION, EXITED, JOB_SPEC, JOINED
+from phalanx.natsauth import ENV_WORKER_CREDENTIALS, worker_credentials
 from phalanx.runtime.addr import listen_socket, local_address_towards
 from phalanx.runtime.digest import NodeDigestPublisher
+from phalanx.runtime.follow import PlanFollower
 from phalanx.runtime.heartbeat import heartbeat_interval_s
 from phalanx.schemas import (
     Action,
@@ -65,7 +67,6 @@ from phalanx.schemas import (
     RankExited,
     Role,
     decode,
-    headers_for,
 )
 from phalanx.telemetry import get_logger
 
@@ -148,6 +149,8 @@ class Launcher:
         self.digests: NodeDigestPublisher | None = None
         self.bind = ""
         self.run = ""  # the job-level run id, from the planner's answer
+        self._token = 0  # the highest planner fencing token seen in a plan
+        self.follower: PlanFollower | None = None
         self.removed_reason: str | None = None
         self._listener: socket.socket | None = None
         self._port = 0
@@ -177,15 +180,17 @@ class Launcher:
             raise LaunchError(
                 f"no NATS server answers at {url}: start one (`phalanx nats`) or set NATS_URL ({exc!r})"
             ) from exc
-        await bus.nc.subscribe(PLAN.format(job=self.job), cb=self._on_plan)
         await bus.nc.subscribe(DECISION.format(job=self.job), cb=self._on_decision)
         await bus.nc.subscribe(JOINED.format(job=self.job), cb=self._on_joined)
-        bus.reconnect_hooks.append(self._load_committed)
+        self.follower = PlanFollower(bus, self.job, self._apply_plan, poll_s=2.0)
+        self.follower.eager = True  # a launcher must never miss the plan that fences its node
+        await self.follower.start()
         joined = await self._join()
         from phalanx.runtime.comm import host_store  # imports torch: only here
 
         self.store = host_store(self.bind, sock=self._listener)
         self.run = joined.run
+        await self.follower.read()  # a plan committed while we joined
         roles = [
             Role.SPARE if joined.as_spares or i >= cfg.nproc else Role.RANK
             for i in range(len(joined.workers))
@@ -275,11 +280,14 @@ class Launcher:
         if self.digests is not None:
             env["PHALANX_HEARTBEAT_SOCKET"] = str(self.digests.socket_path)
         # With NATS authorization on, ranks log in as the rank role, never with the
-        # launcher's own credentials (which may publish exits and job specs).
+        # launcher's own credentials (which may publish exits and job specs): each
+        # worker as itself where the launcher was given per-worker users
+        # (PHALANX_NATS_WORKER_CREDENTIALS, see phalanx.natsauth), else as the rank user.
         rank_user = env.pop("PHALANX_NATS_RANK_USER", None)
         rank_password = env.pop("PHALANX_NATS_RANK_PASSWORD", None)
         if rank_user:
             env["PHALANX_NATS_USER"], env["PHALANX_NATS_PASSWORD"] = rank_user, rank_password or ""
+        env.update(worker_credentials(env.pop(ENV_WORKER_CREDENTIALS, None), name))
         if cfg.nats_url:
             env["NATS_URL"] = cfg.nats_url
         out: int | None = None
@@ -344,29 +352,13 @@ class Launcher:
             self._done.set()
 
     # -- plans: fencing ------------------------------------------------------------
-    async def _on_plan(self, raw: Msg) -> None:
-        try:
-            plan = decode(raw.data, raw.headers, Plan)
-        except Exception as exc:
-            self.log.error("bad_plan", error=repr(exc))
-            return
-        self._apply_plan(plan)
-
-    async def _load_committed(self) -> None:
-        """After a reconnect: the plans published meanwhile are in KV, not in the subscription."""
-        assert self.bus is not None
-        try:
-            kv = await self.bus.js.key_value(JOBS_BUCKET)
-            entry = await kv.get(f"{self.job}.plan")
-        except Exception as exc:
-            self.log.info("no_committed_plan", error=repr(exc))
-            return
-        if entry.value:
-            self._apply_plan(decode(entry.value, headers_for(Plan), Plan))
-
-    def _apply_plan(self, plan: Plan) -> None:
+    def _apply_plan(self, plan: Plan, by_message: bool = False) -> None:
         if not self.run or plan.launch != self.run:
             return
+        if plan.token < self._token:
+            self.log.warning("plan_fenced", generation=plan.generation, token=plan.token, seen=self._token)
+            return  # from a planner that has been replaced
+        self._token = plan.token
         if self.plan is not None and plan.generation <= self.plan.generation:
             return
         self.plan = plan
@@ -445,6 +437,8 @@ class Launcher:
             for name in self.workers:  # all ended: the last digest lists none, so no one is missed
                 self.digests.forget(name)
             await self.digests.stop()
+        if self.follower is not None:
+            await self.follower.stop()
         if self.bus is not None:
             await self.bus.close()
         if self.store is None and self._listener is not None:

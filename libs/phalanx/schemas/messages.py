@@ -10,7 +10,7 @@ the current generation's process group, and changes only through a plan.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -52,6 +52,11 @@ class Heartbeat(JobMessage):
     pid: int
     host: str
     interval_ms: float = Field(gt=0)
+    collective_bound_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="The per-op timeout of the rank's current (or last) gradient all-reduce (0: none yet).",
+    )
 
 
 class Registered(JobMessage):
@@ -87,12 +92,14 @@ class CollectiveError(JobMessage):
     generation: int
     step: int
     error: str = Field(max_length=2000)
+    launch: str = Field(default="", max_length=64, description="The run the reporting rank belongs to.")
 
 
 class FaultCause(StrEnum):
     PROCESS_EXIT = "process_exit"
     HEARTBEAT_LOST = "heartbeat_lost"
     STEP_STALL = "step_stall"
+    COLLECTIVE_HANG = "collective_hang"
 
 
 class _Fault(JobMessage):
@@ -152,6 +159,9 @@ class DigestEntry(Message):
         default=0.0,
         ge=0,
         description="The worker's own heartbeat interval (0: unknown; the detector takes the digest's).",
+    )
+    collective_bound_ms: float = Field(
+        default=0.0, ge=0, description="The heartbeat's collective_bound_ms (0: none reported)."
     )
 
 
@@ -268,6 +278,16 @@ class Plan(JobMessage):
         default_factory=list,
         description="Addresses of those nodes (none shared with a live node): ranks cut their connections to them.",
     )
+    token: int = Field(
+        default=0,
+        ge=0,
+        description="Fencing token of the planner leader that committed it: ranks refuse a lower one.",
+    )
+    trace: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=4,
+        description="W3C trace context of the incident (traceparent), for whoever reads the plan from KV.",
+    )
 
     @model_validator(mode="after")
     def _dense(self) -> Plan:
@@ -285,6 +305,21 @@ class Plan(JobMessage):
 
     def rank_of(self, worker: WorkerId) -> int | None:
         return next((m.rank for m in self.members if m.worker == worker), None)
+
+
+class JobRecord(JobMessage):
+    """The one truth about a job: its committed plan and the planner's state, in the
+    ``phalanx_jobs`` KV bucket under ``<job>.plan``. Written only by the planner
+    leader, by compare-and-set on the revision its decision was computed from;
+    ranks and launchers watch it and read only ``plan``."""
+
+    KIND = "job_record"
+    token: int = Field(ge=0, description="Fencing token of the planner leader that wrote it.")
+    plan: Plan | None = None
+    planner: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The planner's own state (nodes, spares, lost workers): opaque to others.",
+    )
 
 
 class Action(StrEnum):
