@@ -1,25 +1,35 @@
 """Downtime of a rank failure: Phalanx in-process recovery vs torchrun restart.
 
-    python -m bench.recovery [--trials 3] [--nproc 4] [--steps 40] [--quick] [--nodes 3]
+    python -m bench.recovery [--trials 10] [--baseline-trials 5] [--nproc 4] [--steps 40]
+                             [--quick] [--nodes 3]
 
 Both paths train the same byte-level GPT (examples/gpt.py) on the same corpus,
 seed and global batch, with 4 ranks on this machine's CPUs, and lose the same
-rank at the same step of each trial. The step varies between trials so that the
+rank after the same step of each trial. The step varies between trials so that the
 fault lands at different points of the baseline's 10-step checkpoint interval.
 
-- Phalanx: ``nproc`` ranks + 1 hot spare under the launcher, with the real
-  failure-detector and elasticity-planner services on a real nats-server. The
-  rank SIGKILLs itself in the middle of step k (after backward, before the
-  all-reduce); the fault time is written just before the kill.
+- Phalanx: ``phalanx run`` (the public CLI) with ``nproc`` ranks + 1 hot spare,
+  the real failure-detector and elasticity-planner services on a real
+  nats-server. Once rank 0 has logged step k done, the bench SIGKILLs the victim
+  rank from outside a fraction f of a step later (f spread evenly over [0, 1)
+  across the trials, shuffled: the kill lands in the forward/backward pass, the
+  gradient all-reduce or the optimizer step); the fault time is taken just
+  before the kill.
 - Baseline: ``torchrun --max-restarts 3`` with plain DDP, torch.distributed.checkpoint
   every 10 steps; the rank SIGKILLs itself right after step k; torchrun restarts
-  every rank, which reload the last checkpoint (bench/baseline/).
+  every rank, which reload the last checkpoint (bench/baseline/). It is slow, so
+  it runs ``--baseline-trials`` (default min(trials, 5)) of the same fault steps;
+  ``restart_trials`` in the JSON says how many.
 
 Downtime = fault -> first training step completed after recovery (the slowest
-rank). Lost steps = completed steps that had to be computed again. The phase
-medians come from the incident traces (the same spans Jaeger shows). Steady
-overhead compares the median step time of a fault-free Phalanx run with plain
-DDP on the same model and batch (bench/baseline/plain_ddp.py), interleaved.
+rank): median, p90 and max over the trials. Lost steps = completed steps that had
+to be computed again. The phase medians and p90s come from the incident traces
+(the same spans Jaeger shows); ``verdict_to_plan_ms`` is the gap between the
+detector's verdict stored (end of ``detect``) and the planner starting on it
+(start of ``plan``), negative when the planner got the event before the detector
+got the server's acknowledgement. Steady overhead compares the median step time of
+a fault-free Phalanx run with plain DDP on the same model and batch
+(bench/baseline/plain_ddp.py), interleaved.
 
 With ``--nodes N`` (N >= 2; needs network namespaces, see phalanx.netns) it also
 measures the loss of a whole node, at least 5 trials each side:
@@ -41,10 +51,15 @@ Prints one JSON line last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import random
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -77,44 +92,107 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     )
 
 
+def find_worker(job: str, worker: str) -> int:
+    """The pid of ``worker`` of ``job``: the process the launcher started with
+    ``PHALANX_JOB``/``PHALANX_WORKER`` set (not one of its children, which inherit them)."""
+    want = {f"PHALANX_JOB={job}".encode(), f"PHALANX_WORKER={worker}".encode()}
+
+    def matches(pid: int) -> bool:
+        try:
+            return want <= set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        except OSError:
+            return False
+
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and matches(int(entry.name)):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                if not matches(ppid):
+                    return int(entry.name)
+    raise LookupError(f"no process of worker {worker} in job {job}")
+
+
+def step_fractions(trials: int, seed: int = 7) -> list[float]:
+    """Where in a step each trial's fault lands: evenly spread over [0, 1), shuffled."""
+    fracs = [(i + 0.5) / trials for i in range(trials)]
+    random.Random(seed).shuffle(fracs)
+    return fracs
+
+
 def phalanx_trial(
-    stack: LocalStack, work: Path, i: int, *, nproc: int, steps: int, step: int, corpus: Path
+    stack: LocalStack,
+    work: Path,
+    i: int,
+    *,
+    nproc: int,
+    steps: int,
+    step: int,
+    corpus: Path,
+    fraction: float,
 ) -> dict[str, Any]:
+    """One fault, from outside: ``phalanx run`` (the public CLI) trains with ``nproc``
+    ranks and a hot spare; once rank 0 has logged step ``step`` done, the victim rank
+    is SIGKILLed ``fraction`` of a step later (compute, all-reduce or optimizer step)."""
     job = f"bench{i}-{int(time.time())}"
-    fault_log, steps_log = work / f"{job}.faults", work / f"{job}.steps"
+    steps_log = work / f"{job}.steps"
     victim = f"w{1 + i % (nproc - 1)}"
     cmd = train_command(steps, corpus, steps_log=steps_log)
-    result = stack.run_job(
-        job,
-        cmd,
-        nproc=nproc,
-        spares=1,
-        faults=f"kill:{victim}@step={step}",
-        env={"PHALANX_FAULT_LOG": str(fault_log)},
-    )
-    if result.returncode != 0:
+    fault: dict[str, float] = {}
+    timers: list[threading.Timer] = []
+
+    def strike(pid: int, delay: float) -> None:
+        fault["ts"] = time.time()
+        os.kill(pid, signal.SIGKILL)
+        fault["delay_s"] = delay
+
+    def kill(result: JobResult) -> None:
+        lines = [x for x in steps_log.read_text().splitlines() if x.strip().endswith("}")]  # whole lines
+        step_s = statistics.median(json.loads(x)["ms"] for x in lines[-3:]) / 1000.0
+        delay = fraction * step_s
+        timers.append(threading.Timer(delay, strike, (find_worker(job, victim), delay)))
+        timers[0].start()
+
+    result = stack.run_nodes(job, cmd, nodes={"n0": (nproc, 1)}, steps_log=steps_log, actions=[(step, kill)])
+    for t in timers:
+        t.join()
+    if result.returncode != 0 or "ts" not in fault or not result.faults:
         raise RuntimeError(f"phalanx trial {job} failed: {[d.reason for d in result.decisions]}")
-    fault_ts = _read_jsonl(fault_log)[0]["ts"]
+    fault_ts = fault["ts"]
     gen = max(p.generation for p in result.plans)
     first = [r for r in result.recoveries if r.generation == gen]
     downtime = max(r.ts for r in first) - fault_ts
     log = _read_jsonl(steps_log)
     before = max((e["step"] for e in log if e["generation"] < gen), default=0)
     resumed = min(e["step"] for e in log if e["generation"] == gen)
-    time.sleep(0.5)  # the services export spans every 200 ms
     incident = result.faults[0].incident
-    inc = next(
-        x for x in incidents(_from_file(stack.span_file)) if x.attributes.get("phalanx.incident") == incident
-    )
-    phases = {r.phase: r.dur_ms / 1000.0 for r in inc.rows}
+    inc = None
+    for _ in range(20):  # the services export spans every 200 ms
+        time.sleep(0.25)
+        inc = next(
+            (
+                x
+                for x in incidents(_from_file(stack.span_file))
+                if x.attributes.get("phalanx.incident") == incident
+            ),
+            None,
+        )
+        if inc is not None and {"plan", "first_step"} <= {r.phase for r in inc.rows}:
+            break
+    if inc is None:
+        raise RuntimeError(f"phalanx trial {job}: no trace of incident {incident}")
+    rows = {r.phase: r for r in inc.rows}
+    gap = rows["plan"].start_ms - rows["detect"].end_ms if {"plan", "detect"} <= set(rows) else None
     return {
-        "downtime_s": downtime,
+        "downtime_s": round(downtime, 4),
         "lost_steps": max(0, before - (resumed - 1)),
         "fault_step": step,
+        "fault_delay_s": round(fault["delay_s"], 4),
+        "fault_fraction": round(fraction, 3),
         "victim": victim,
-        "phases": phases,
-        "trace_downtime_s": (inc.downtime_ms or 0) / 1000.0,
-        "detect_ms": (result.faults[0].detected_at - fault_ts) * 1000.0,
+        "phases": {p: round(r.dur_ms / 1000.0, 4) for p, r in rows.items()},
+        "verdict_to_plan_ms": None if gap is None else round(gap, 1),
+        "trace_downtime_s": round((inc.downtime_ms or 0) / 1000.0, 4),
+        "detect_ms": round((result.faults[0].detected_at - fault_ts) * 1000.0, 1),
     }
 
 
@@ -208,7 +286,13 @@ def node_loss_trials(work: Path, *, nodes: int, trials: int, steps: int, corpus:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=10, help="Phalanx fault trials")
+    ap.add_argument(
+        "--baseline-trials",
+        type=int,
+        default=None,
+        help="torchrun restart trials (default: min(trials, 5); 0 skips the baseline)",
+    )
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--steady-steps", type=int, default=30)
@@ -222,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--nodes must be >= 2")
     if args.quick:
         args.trials, args.steps, args.steady_steps = 1, 30, 15
+    if args.trials < 1:
+        ap.error("--trials must be >= 1")
+    baseline_trials = min(args.trials, 5) if args.baseline_trials is None else args.baseline_trials
     corpus = REPO / DEFAULT_OUT
     build_corpus(corpus)
     work = Path(tempfile.mkdtemp(prefix="phalanx-bench-recovery-"))
@@ -234,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(nodes), flush=True)
             return 0
     ks = fault_steps(args.trials, args.steps)
+    fracs = step_fractions(args.trials)
     px: list[dict[str, Any]] = []
     rs: list[dict[str, Any]] = []
     px_steady: list[float] = []
@@ -242,12 +330,14 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2):  # interleaved, so machine noise hits both alike
             ddp_steady += measure_step_time(args.nproc, args.steady_steps, 3, data=corpus)["step_s"][3:]
             px_steady += phalanx_steady(stack, work, nproc=args.nproc, steps=args.steady_steps, corpus=corpus)
-        for i, k in enumerate(ks):
+        for i, (k, frac) in enumerate(zip(ks, fracs, strict=True)):
             px.append(
-                phalanx_trial(stack, work, i, nproc=args.nproc, steps=args.steps, step=k, corpus=corpus)
+                phalanx_trial(
+                    stack, work, i, nproc=args.nproc, steps=args.steps, step=k, corpus=corpus, fraction=frac
+                )
             )
             print(json.dumps({"phalanx_trial": i, **px[-1]}), flush=True)
-    for i, k in enumerate(ks):
+    for i, k in enumerate(ks[:baseline_trials]):
         r = run_trial(
             work / f"restart{i}",
             nproc=args.nproc,
@@ -264,22 +354,29 @@ def main(argv: list[str] | None = None) -> int:
             ),
             flush=True,
         )
-    px_down = statistics.median(t["downtime_s"] for t in px)
-    rs_down = statistics.median(t["downtime_s"] for t in rs)
+    down = _stats([t["downtime_s"] for t in px])
+    gaps = [t["verdict_to_plan_ms"] for t in px if t["verdict_to_plan_ms"] is not None]
+    rs_down = statistics.median(t["downtime_s"] for t in rs) if rs else None
     px_step, ddp_step = statistics.median(px_steady), statistics.median(ddp_steady)
     out = {
-        "phalanx_downtime_s": round(px_down, 4),
-        "restart_downtime_s": round(rs_down, 4),
-        "downtime_ratio": round(rs_down / px_down, 2),
+        "phalanx_downtime_s": down["median"],
+        "phalanx_downtime_p90_s": down["p90"],
+        "phalanx_downtime_max_s": down["max"],
+        "restart_downtime_s": None if rs_down is None else round(rs_down, 4),
+        "downtime_ratio": None if rs_down is None else round(rs_down / down["median"], 2),
         "phalanx_lost_steps": max(t["lost_steps"] for t in px),
-        "restart_lost_steps": statistics.median(t["lost_steps"] for t in rs),
+        "restart_lost_steps": statistics.median(t["lost_steps"] for t in rs) if rs else None,
         "phases": {p: round(statistics.median(t["phases"].get(p, 0.0) for t in px), 4) for p in PHASES},
+        "phases_p90": {p: _stats([t["phases"].get(p, 0.0) for t in px])["p90"] for p in PHASES},
+        "verdict_to_plan_ms": _stats(gaps) if gaps else None,
         "phalanx_detect_ms": round(statistics.median(t["detect_ms"] for t in px), 1),
         "steady_overhead_pct": round((px_step / ddp_step - 1.0) * 100.0, 2),
         "phalanx_step_s": round(px_step, 4),
         "ddp_step_s": round(ddp_step, 4),
         "fault_steps": ks,
+        "fault_step_fractions": [round(f, 3) for f in fracs],
         "trials": args.trials,
+        "restart_trials": len(rs),
         "nproc": args.nproc,
         "spares": 1,
         "model_params": GPT().num_params(),
