@@ -6,6 +6,8 @@ answers ``phalanx.health.<name>`` requests, and on SIGTERM/SIGINT stops the
 service and drains the connection so nothing in flight is lost.
 
 >>> asyncio.run(run_service(FailureDetector))   # python -m phalanx.services.failure_detector
+
+``kill -USR1 <pid>`` logs every asyncio task of a running service and where it waits.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ async def run_service(
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGUSR1, lambda: _dump_tasks(log))
     await svc.serve_health()
     await svc.start()
     log.info(
@@ -108,6 +112,13 @@ async def run_service(
         await bus.close()
         shutdown_tracing()
         log.info("service_stopped")
+
+
+def _dump_tasks(log: Any) -> None:
+    """``kill -USR1 <pid>``: every asyncio task of the service and where it waits, in the log."""
+    for task in asyncio.all_tasks():
+        frames = [f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}" for f in task.get_stack(limit=12)]
+        log.warning("task_dump", task=task.get_name(), stack=frames)
 
 
 async def ping(bus: Bus, service: str, timeout: float = 2.0) -> HealthReply:

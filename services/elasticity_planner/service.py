@@ -220,7 +220,12 @@ class ElasticityPlanner(Service):
                     self._arm(state)
             self._consumers = [
                 self.bus.consume(
-                    COMMANDS, "planner-spec", [JOB_SPEC.wildcard()], self._on_command, (JobSpec,)
+                    COMMANDS,
+                    "planner-spec",
+                    [JOB_SPEC.wildcard()],
+                    self._on_command,
+                    (JobSpec,),
+                    max_deliver=-1,
                 ),
                 self.bus.consume(
                     EVENTS,
@@ -236,6 +241,7 @@ class ElasticityPlanner(Service):
                     self._on_event,
                     (Registered, RankFailed, RankHung, NodeLost, PlanAck, RankExited),
                     ack_wait_s=10.0,
+                    max_deliver=-1,  # a fault is never dropped: a KV outage is retried until it ends
                 ),
                 self.bus.consume(
                     EVENTS,
@@ -243,6 +249,7 @@ class ElasticityPlanner(Service):
                     [COMM_ERROR.wildcard()],
                     self._on_comm_error,
                     (CollectiveError,),
+                    max_deliver=-1,
                 ),
             ]
 
@@ -270,11 +277,15 @@ class ElasticityPlanner(Service):
         self._revisions.clear()
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        # Consumers first: once the lease is released a standby takes over, and by then
+        # this replica must hold no pull request that could take its next input.
+        tasks = self._consumers + self._tasks
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=5.0)
+            if stuck:
+                self.log.error("tasks_did_not_stop", tasks=sorted(t.get_name() for t in stuck))
         for t in self._timers.values():
             t.cancel()
         await self.lease.release()  # a standby takes over at once, without waiting out the TTL

@@ -260,8 +260,15 @@ async def test_the_standby_completes_an_incident_whose_leader_was_sigkilled(
         for p in procs:
             if p.poll() is None:
                 p.terminate()
-        for p in procs:
-            p.wait(15)
+        for i, p in enumerate(procs):
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:  # say where it is stuck (the service logs its tasks)
+                p.send_signal(signal.SIGUSR1)
+                await asyncio.sleep(1.0)
+                p.kill()
+                log = (tmp_path / f"{'ab'[i]}.log").read_text()
+                raise AssertionError(f"planner {'ab'[i]} did not stop on SIGTERM:\n{log[-8000:]}") from None
     gen1, gen2 = watcher.plans
     assert gen2.generation == 2 and gen2.rank_of("w3") == 1 and gen2.token > gen1.token
     assert "lease_acquired" in (tmp_path / "b.log").read_text()

@@ -562,8 +562,11 @@ class Bus:
         checked_at = -1  # self.reconnects when the consumer was last checked
         idle = 0  # consecutive empty pulls
         next_subject = f"{DEFAULT_PREFIX}.CONSUMER.MSG.NEXT.{stream.name}.{durable}"
+        me = asyncio.current_task()
         try:
-            while not self._closing:
+            # cancelling(): Python 3.11's wait_for can swallow a cancellation that lands as
+            # its inner future completes; a loop that went on would take a standby's input.
+            while not self._closing and not (me is not None and me.cancelling()):
                 try:
                     # After a reconnect, and after 10 empty pulls, make sure the
                     # consumer still exists (a server that lost its state, a deleted consumer).
