@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: venv test test-fast demo bench-detect bench-recovery proto proto-check lint typecheck clean corpus
+.PHONY: venv test test-fast demo bench-detect bench-recovery bench-failover proto proto-check lint typecheck clean corpus
 
 venv: $(STAMP)
 
@@ -30,6 +30,9 @@ bench-detect: venv
 
 bench-recovery: venv
 	$(PY) -m bench.recovery
+
+bench-failover: venv
+	$(PY) -m bench.failover
 
 proto: venv
 	$(PY) -m phalanx.proto write proto
