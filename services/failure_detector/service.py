@@ -145,7 +145,8 @@ __all__ = ["FailureDetector", "ServiceConfig"]
 _tracer = trace.get_tracer("phalanx.failure_detector")
 
 
-def _num(env: Mapping[str, str], name: str, default: float) -> float:
+def _num(env: Mapping[str, str], name: str, default: float, *, zero_ok: bool = False) -> float:
+    """A positive number from ``env`` (or zero too, with ``zero_ok``); ValueError says which is wrong."""
     raw = env.get(name, "")
     if raw == "":
         return default
@@ -153,21 +154,10 @@ def _num(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError as exc:
         raise ValueError(f"{name}={raw!r} is not a number") from exc
-    if not value > 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value
-
-
-def _non_negative(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "")
-    if raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a number") from exc
-    if not 0 <= value < math.inf:
+    if zero_ok and not 0 <= value < math.inf:
         raise ValueError(f"{name}={raw!r} must be a non-negative number")
+    if not zero_ok and not value > 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
     return value
 
 
@@ -240,7 +230,7 @@ class ServiceConfig:
             stall_floor_s=_num(e, "PHALANX_STALL_FLOOR_MS", d.stall_floor_s * 1e3) / 1e3,
             stall_factor=_num(e, "PHALANX_STALL_FACTOR", d.stall_factor),
             stall_initial_s=_num(e, "PHALANX_STALL_INITIAL_MS", d.stall_initial_s * 1e3) / 1e3,
-            mass_hold_s=_non_negative(e, "PHALANX_DETECTOR_MASS_HOLD_S", d.mass_hold_s),
+            mass_hold_s=_num(e, "PHALANX_DETECTOR_MASS_HOLD_S", d.mass_hold_s, zero_ok=True),
         )
         job = e.get("PHALANX_DETECTOR_JOB") or None
         if job is not None:
