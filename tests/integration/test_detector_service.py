@@ -491,6 +491,8 @@ async def test_detector_restart_repeats_no_verdict(nats_url: str, bus: Bus, even
         await wait_until(lambda: second.reported == 1, what="the stall judged again")
         await publish_exit(bus, exited("w2", 9002), "exit-w2")
         await events.one("w2")  # barrier: the exit consumer is ordered, w2's exit came last
+        # (the event can arrive here before the detector has counted its publish ack)
+        await wait_until(lambda: second.reported >= 2, what="w2's verdict counted")
         assert second.reported == 2  # the stall and w2: w1's exit was not redelivered
     hung = await stored(bus, "phalanx.evt.j1.hung")
     failed = await stored(bus, "phalanx.evt.j1.failed")
