@@ -59,6 +59,7 @@ class JobState:
     reform_at: float = 0.0  # wall time of the last re-form
     broken: dict[str, str] = field(default_factory=dict)  # worker -> its failed collective, this generation
     broken_at: float = 0.0  # wall time of the first such report
+    deferred: list[dict[str, Any]] = field(default_factory=list)  # incidents waiting for spares to start
 
     @property
     def generation(self) -> int:
@@ -103,6 +104,7 @@ def state_to_dict(state: JobState) -> dict[str, Any]:
         "reform_at": state.reform_at,
         "broken": dict(state.broken),
         "broken_at": state.broken_at,
+        "deferred": [dict(d) for d in state.deferred],
     }
 
 
@@ -124,6 +126,7 @@ def state_from_dict(d: dict[str, Any], plan: Plan | None) -> JobState:
         reform_at=float(d.get("reform_at", 0.0)),
         broken=dict(d.get("broken", {})),
         broken_at=float(d.get("broken_at", 0.0)),
+        deferred=[dict(x) for x in d.get("deferred", ())],
     )
 
 

@@ -49,6 +49,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
@@ -141,6 +142,7 @@ class ElasticityPlanner(Service):
         self._out: list[_Thunk] | None = None  # what the transaction in progress publishes once committed
         self._pending: dict[str, _Pending] = {}
         self._timers: dict[tuple[str, int], asyncio.TimerHandle] = {}  # broken generations' graces
+        self._waits: dict[tuple[str, str], asyncio.TimerHandle] = {}  # incidents waiting for spares
         self.comm_grace_s = env_float("PHALANX_PLANNER_COMM_GRACE_S", 2.0)
         self.max_reforms = int(env_float("PHALANX_PLANNER_MAX_REFORMS", 5))
         self.reform_backoff_max_s = env_float("PHALANX_PLANNER_REFORM_BACKOFF_MAX_S", 30.0)
@@ -154,9 +156,6 @@ class ElasticityPlanner(Service):
         self.conflicts = 0
         self.refused = 0
         self.spare_wait_s = env_float("PHALANX_PLANNER_SPARE_WAIT_S", 30.0)
-        self._deferred: dict[str, list[tuple[str, dict[str, str], Callable[[JobState], Decision]]]] = {}
-        self._waiting_for_spares: set[str] = set()  # incidents whose wait for spares has begun
-        self._waited_out: set[str] = set()
         self._consumers: list[asyncio.Task[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.elected_at: float | None = None  # wall time this replica last became leader
@@ -218,6 +217,8 @@ class ElasticityPlanner(Service):
                     self._track(state.plan, time.monotonic() - self.republish_s)
                 if state.broken:  # the last leader was waiting out a broken group's grace
                     self._arm(state)
+                if state.deferred:  # ... or a wait for spares still starting
+                    self._arm_spare_wait(state)
             self._consumers = [
                 self.bus.consume(
                     COMMANDS,
@@ -266,13 +267,13 @@ class ElasticityPlanner(Service):
             self._forget()
 
     def _forget(self) -> None:
-        for t in self._timers.values():
+        for t in [*self._timers.values(), *self._waits.values()]:
             t.cancel()
+        self._waits.clear()
         for p in self._pending.values():
             p.notify.end()
         self._timers.clear()
         self._pending.clear()
-        self._deferred.clear()
         self.jobs.clear()
         self._revisions.clear()
 
@@ -286,7 +287,7 @@ class ElasticityPlanner(Service):
             _, stuck = await asyncio.wait(tasks, timeout=5.0)
             if stuck:
                 self.log.error("tasks_did_not_stop", tasks=sorted(t.get_name() for t in stuck))
-        for t in self._timers.values():
+        for t in [*self._timers.values(), *self._waits.values()]:
             t.cancel()
         await self.lease.release()  # a standby takes over at once, without waiting out the TTL
 
@@ -718,7 +719,7 @@ class ElasticityPlanner(Service):
         rank = reg.role is Role.RANK and state.phase is JobPhase.WAITING
         (state.ranks if rank else state.spares).append(reg.worker)
         await self._maybe_start(state)
-        if not rank and reg.job in self._deferred:
+        if not rank and state.deferred:
             await self._retry_deferred(state)
         return state
 
@@ -729,13 +730,14 @@ class ElasticityPlanner(Service):
             return state
         node.lost = True
         state.lost_launchers.append(node.launcher)
-        cause = f"lost ({event.cause.value})"
-        name = event.node
         await self._plan(
             state,
-            event.incident,
-            {"phalanx.node": event.node, "phalanx.cause": event.cause.value},
-            lambda s: self.policy.on_node_lost(s, name, cause),
+            {
+                "incident": event.incident,
+                "node": event.node,
+                "cause": f"lost ({event.cause.value})",
+                "attributes": {"phalanx.node": event.node, "phalanx.cause": event.cause.value},
+            },
         )
         return state
 
@@ -743,41 +745,57 @@ class ElasticityPlanner(Service):
         if event.job not in self.jobs:
             self.log.warning("fault_for_unknown_job", job=event.job, incident=event.incident)
             return
-        fault = Fault(event.incident, event.worker, event.cause.value, isinstance(event, RankHung))
-        attributes = {"phalanx.worker": event.worker, "phalanx.cause": event.cause.value}
+        incident = {
+            "incident": event.incident,
+            "worker": event.worker,
+            "cause": event.cause.value,
+            "hung": isinstance(event, RankHung),
+            "attributes": {"phalanx.worker": event.worker, "phalanx.cause": event.cause.value},
+        }
 
         async def decide(state: JobState | None) -> JobState | None:
             if state is not None:
-                await self._plan(state, event.incident, attributes, lambda s: self.policy.on_fault(s, fault))
+                await self._plan(state, incident)
             return state
 
         await self._txn(event.job, decide)
 
-    async def _plan(
-        self,
-        state: JobState,
-        incident: str,
-        attributes: dict[str, str],
-        decide: Callable[[JobState], Decision],
-    ) -> None:
+    def _decide(self, state: JobState, incident: dict[str, Any]) -> Decision:
+        """The policy's decision on an incident, described as the record keeps it."""
+        if "node" in incident:
+            return self.policy.on_node_lost(state, incident["node"], incident["cause"])
+        fault = Fault(incident["incident"], incident["worker"], incident["cause"], bool(incident["hung"]))
+        return self.policy.on_fault(state, fault)
+
+    async def _plan(self, state: JobState, incident: dict[str, Any], since: float | None = None) -> None:
         """Decide on an incident and apply it, inside the incident's ``plan`` span.
 
         A shrink or a stop while spares of the job are still starting (a fault in
         the first step, before a spare has registered) waits for them, at most
-        ``spare_wait_s``: the decision is taken again when one registers.
+        ``spare_wait_s`` from ``since`` (when the wait began): the incident is kept in
+        the record and decided again when one registers, or when the wait runs out,
+        by this leader or the next.
         """
+        name = incident["incident"]
         with self._plan_span(
-            {"phalanx.job": state.spec.job, "phalanx.incident": incident, **attributes}
+            {"phalanx.job": state.spec.job, "phalanx.incident": name, **incident["attributes"]}
         ) as span:
-            decision = decide(state)
+            decision = self._decide(state, incident)
             starting = self._starting(state) if decision.action in (Action.SHRINK, Action.STOP) else []
-            if starting and incident not in self._waited_out:
+            waited_out = since is not None and time.time() >= since + self.spare_wait_s - 0.01
+            if starting and not waited_out:
                 span.set_attribute("phalanx.action", Action.HOLD.value)
-                self._defer(state, incident, attributes, decide, starting)
+                if since is None:
+                    reason = (
+                        f"{name}: waiting up to {self.spare_wait_s:g}s for spare(s) {starting} still starting"
+                    )
+                    self._decision(state, name, Action.HOLD, reason, None, key=f"{name}:waiting")
+                state.deferred.append({**incident, "since": since or time.time()})
+                self._arm_spare_wait(state)
                 return
             span.set_attribute("phalanx.action", decision.action.value)
             span.set_attribute("phalanx.reason", decision.reason)
-            await self._apply(state, incident, decision)
+            await self._apply(state, name, decision)
 
     @staticmethod
     def _starting(state: JobState) -> list[str]:
@@ -785,47 +803,41 @@ class ElasticityPlanner(Service):
         known = set(state.ranks) | set(state.spares) | state.lost
         return [w for n in state.live_nodes() for w in state.nodes[n].workers if w not in known]
 
-    def _defer(
-        self,
-        state: JobState,
-        incident: str,
-        attributes: dict[str, str],
-        decide: Callable[[JobState], Decision],
-        starting: list[str],
-    ) -> None:
+    def _arm_spare_wait(self, state: JobState) -> None:
+        """A timer for the end of each deferred incident's wait (at most one per incident)."""
         job = state.spec.job
-        self._deferred.setdefault(job, []).append((incident, attributes, decide))
-        if incident in self._waiting_for_spares:
-            return  # decided again, still waiting: the first wait's deadline holds
-        self._waiting_for_spares.add(incident)
-        reason = f"{incident}: waiting up to {self.spare_wait_s:g}s for spare(s) {starting} still starting"
-        self._decision(state, incident, Action.HOLD, reason, None, key=f"{incident}:waiting")
+        for entry in state.deferred:
+            key = (job, f"spares:{entry['incident']}")
+            if key in self._waits:
+                continue
+            left = max(0.0, float(entry["since"]) + self.spare_wait_s - time.time())
+            self._wait_for_spares(key, str(entry["incident"]), left)
 
-        async def give_up() -> None:
-            async with self._lock:
-                self._waited_out.add(incident)
+    def _wait_for_spares(self, key: tuple[str, str], incident: str, left: float) -> None:
+        self._waits[key] = asyncio.get_running_loop().call_later(
+            left, lambda: asyncio.ensure_future(self._spare_wait_over(key, incident))
+        )
 
-                async def again(s: JobState | None) -> JobState | None:
-                    if s is not None:
-                        await self._retry_deferred(s, only=incident)
-                    return s
+    async def _spare_wait_over(self, key: tuple[str, str], incident: str) -> None:
+        async with self._lock:
+            self._waits.pop(key, None)
 
-                with contextlib.suppress(Exception):
-                    await self._txn(job, again)
+            async def again(state: JobState | None) -> JobState | None:
+                if state is not None:
+                    await self._retry_deferred(state, only=incident)
+                return state
 
-        loop = asyncio.get_running_loop()
-        loop.call_later(self.spare_wait_s, lambda: asyncio.ensure_future(give_up()))
+            try:
+                await self._txn(key[0], again)
+            except Exception as exc:  # KV away, or deposed: the next leader's timer decides it
+                self.log.error("spare_wait_failed", job=key[0], incident=incident, error=repr(exc))
 
     async def _retry_deferred(self, state: JobState, only: str | None = None) -> None:
         """Decide the waiting incidents of the job again (a spare registered, or the wait ran out)."""
-        job = state.spec.job
-        waiting = self._deferred.pop(job, [])
-        keep = [d for d in waiting if only is not None and d[0] != only]
-        if keep:
-            self._deferred[job] = keep
-        for incident, attributes, decide in waiting:
-            if only is None or incident == only:
-                await self._plan(state, incident, attributes, decide)
+        waiting = [d for d in state.deferred if only is None or d["incident"] == only]
+        state.deferred = [d for d in state.deferred if d not in waiting]
+        for entry in waiting:
+            await self._plan(state, entry, since=float(entry["since"]))
 
     async def _on_ack(self, ack: PlanAck) -> None:
         pending = self._pending.get(ack.job)

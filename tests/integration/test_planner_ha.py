@@ -19,8 +19,19 @@ from phalanx.services.elasticity_planner.lease import NotLeader
 from phalanx.services.elasticity_planner.service import ElasticityPlanner, record_key
 
 from phalanx.bus import JOBS_BUCKET, Bus
-from phalanx.bus.subjects import ACK, FAILED, NODE_LOST
-from phalanx.schemas import Action, FaultCause, JobRecord, NodeLost, Plan, PlanAck, decode, headers_for
+from phalanx.bus.subjects import ACK, FAILED, NODE_LOST, REGISTERED
+from phalanx.schemas import (
+    Action,
+    FaultCause,
+    JobRecord,
+    NodeLost,
+    Plan,
+    PlanAck,
+    Registered,
+    Role,
+    decode,
+    headers_for,
+)
 from phalanx.service import ping
 from tests.integration.planning import JOB, Watcher, failed, join, start_job
 
@@ -302,3 +313,32 @@ async def test_a_plan_is_sent_again_until_every_member_acknowledged(
     sent = len(watcher.plans)
     await asyncio.sleep(1.0)
     assert len(watcher.plans) == sent  # all acknowledged: no more sends
+
+
+async def test_a_wait_for_spares_outlives_the_leader(
+    nats_url: str,
+    bus: Bus,
+    watcher: Watcher,
+    replicas: list[ElasticityPlanner],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A fault in the first step waits for a spare still starting (HOLD). The leader
+    # stops during that wait: the wait is in the record, so the new leader ends it.
+    monkeypatch.setenv("PHALANX_PLANNER_SPARE_WAIT_S", "1.5")
+    a = await _planner(nats_url, "planner-a")
+    b = await _planner(nats_url, "planner-b")
+    replicas.append(b)
+    run = (await join(bus, 2, 1, register=False)).run
+    for i, worker in enumerate(("w0", "w1")):
+        reg = Registered(job=JOB, worker=worker, role=Role.RANK, host="h", pid=100 + i, launch=run)
+        await bus.publish(REGISTERED, reg, job=JOB, msg_id=f"reg-{worker}")
+    await watcher.wait_for(lambda: len(watcher.plans) == 1)
+    event = failed("w1", 1)
+    await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
+    await watcher.wait_for(lambda: any(d.action is Action.HOLD for d in watcher.decisions))
+    await _close(a)
+    await watcher.wait_for(lambda: any(d.action is Action.STOP for d in watcher.decisions))
+    assert b.lease.is_leader()
+    assert [d.action for d in watcher.decisions if d.incident == event.incident] == [Action.HOLD, Action.STOP]
+    last = (await _history(bus))[-1]
+    assert last.token == b.lease.token and last.planner["phase"] == "stopped"  # decided by the new leader
