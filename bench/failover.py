@@ -150,7 +150,7 @@ async def trial(bus: Bus, planners: Planners, job: str) -> dict[str, Any]:
     if plan.rank_of("w3") != 1 or plan.token <= gen1.token:
         raise RuntimeError(f"unexpected plan after failover: {plan}")
     planners.spawn()  # the next trial's standby
-    await asyncio.sleep(planners.ttl_s + 0.5)
+    await asyncio.sleep(planners.ttl_s + 0.5)  # the respawned planner connects and stands by (not measured)
     return {"failover_s": round(elapsed, 3), "token_before": gen1.token, "token_after": plan.token}
 
 
@@ -162,7 +162,7 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             planners.spawn()
             await planners.leader(bus)
             planners.spawn()
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # the second planner connects and stands by (not measured)
             samples = []
             for i in range(a.trials):
                 r = await trial(bus, planners, f"fo{i}")
