@@ -1,6 +1,7 @@
 """The generation communicator (phalanx.runtime.comm): store helpers, the abandonable
 arrival barrier, collectives and the destroy cascade, with ranks as threads over a
-real loopback TCPStore and gloo."""
+real loopback TCPStore and gloo; backend choice by device, abort on gloo, and (skipped
+without GPUs) NCCL beside gloo and its real abort."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +23,7 @@ from phalanx.runtime.comm import (
     Communicator,
     Superseded,
     arrival_barrier,
+    backend_for,
     connect_store,
     host_store,
 )
@@ -245,3 +248,163 @@ def test_gloo_binds_the_address_it_is_given(prefix: str) -> None:
     finally:
         for c in comms:
             c.destroy()
+
+
+# -- devices and backends ------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+def test_backend_for_cpu_is_gloo() -> None:
+    assert backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for(torch.device("cpu", 0)) == "gloo"
+
+
+def test_backend_for_cuda_is_nccl_or_a_clear_error() -> None:
+    if dist.is_nccl_available():
+        assert backend_for(torch.device("cuda")) == "nccl"
+        assert backend_for(torch.device("cuda", 3)) == "nccl"  # no GPU is touched to decide
+    else:
+        with pytest.raises(ValueError, match="needs NCCL"):
+            backend_for(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("device", ["meta", "mps", "xpu", "hpu"])
+def test_backend_for_refuses_other_devices(device: str) -> None:
+    with pytest.raises(ValueError, match=f"no communication backend for device {device}"):
+        backend_for(torch.device(device))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_communicator_on_cuda_without_cuda_is_a_clear_error(store: dist.TCPStore, prefix: str) -> None:
+    """Refused before anything is built: with world size 2 and no peer, building gloo
+    first would block for the timeout and fail with CommError instead."""
+    client = connect_store(_addr(store))
+    with pytest.raises(ValueError, match=r"NCCL|no CUDA device"):
+        Communicator(client, prefix, 0, 2, timeout_s=5.0, device=torch.device("cuda"))
+    with pytest.raises(ValueError, match="no communication backend"):
+        Communicator(client, prefix, 0, 2, timeout_s=5.0, device=torch.device("meta"))
+
+
+def test_cpu_device_is_the_default_path(store: dist.TCPStore, prefix: str) -> None:
+    def rank(r: int) -> tuple[torch.device, torch.Tensor]:
+        client = connect_store(_addr(store))
+        arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
+        comm = Communicator(client, prefix, r, 2, 30.0, None, torch.device("cpu"))
+        t = torch.tensor([float(r + 1)])
+        comm.allreduce_sum_(t)
+        comm.destroy()
+        return comm.device, t
+
+    for device, t in run_ranks(2, rank):
+        assert device == torch.device("cpu") and t.tolist() == [3.0]
+    default = Communicator(dist.HashStore(), "p", 0, 1)
+    assert default.device == torch.device("cpu")
+    default.destroy()
+
+
+def test_abort_on_gloo_is_harmless_and_final() -> None:
+    comm = Communicator(dist.HashStore(), "abort-idle", 0, 1, timeout_s=5.0)
+    t = torch.ones(2)
+    comm.allreduce_sum_(t)
+    comm.abort()
+    comm.abort()  # idempotent, never raises
+    assert comm.aborted
+    with pytest.raises(CommError, match="aborted"):
+        comm.allreduce_sum_(t)
+    with pytest.raises(CommError, match="destroyed"):  # the failed op destroyed it
+        comm.barrier()
+    comm.destroy()
+    comm.abort()  # after destroy too
+
+
+def test_abort_on_gloo_does_not_release_an_op_in_flight(store: dist.TCPStore, prefix: str) -> None:
+    """gloo has no abort for an op in flight: abort() returns at once from another
+    thread, the blocked allreduce ends by its per-op timeout, then fails."""
+    built = threading.Barrier(2)
+    done = threading.Event()
+    timings: dict[str, float] = {}
+
+    def rank(r: int) -> str:
+        comm = peer_comm[r] = _comm(store, prefix, r, 2, timeout_s=JOIN_S)
+        built.wait(JOIN_S)
+        if r == 0:  # never joins; aborts its peer, then leaves once the peer gave up
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            peer_comm[1].abort()
+            timings["abort_s"] = time.monotonic() - t0
+            done.wait(JOIN_S)
+            comm.destroy()
+            return "left"
+        t0 = time.monotonic()
+        try:
+            comm.allreduce_sum_(torch.ones(3), timeout_s=1.5)
+        except CommError as exc:
+            timings["op_s"] = time.monotonic() - t0
+            return f"CommError: {exc}"
+        finally:
+            done.set()
+        return "completed"
+
+    peer_comm: dict[int, Communicator] = {}
+    res = run_ranks(2, rank)
+    assert res[0] == "left"
+    assert res[1].startswith("CommError: allreduce on"), res[1]
+    assert timings["abort_s"] < 0.5, timings
+    assert 1.0 <= timings["op_s"] < 10.0, timings  # its timeout, not the abort, ended it
+
+
+# -- real CUDA (skipped without GPUs) ------------------------------------------------------------
+
+
+@needs_cuda
+def test_cuda_communicator_dispatches_by_tensor_device() -> None:
+    comm = Communicator(dist.HashStore(), "cuda-1", 0, 1, timeout_s=30.0, device=torch.device("cuda"))
+    assert comm.device == torch.device("cuda", torch.cuda.current_device())
+    on_gpu = torch.ones(4, device=comm.device)
+    on_cpu = torch.ones(4)
+    comm.allreduce_sum_(on_gpu)
+    comm.allreduce_sum_(on_cpu)
+    comm.barrier()
+    assert on_gpu.device.type == "cuda" and on_gpu.tolist() == [1.0] * 4
+    assert on_cpu.tolist() == [1.0] * 4
+    comm.abort()
+    with pytest.raises(CommError, match="aborted"):
+        comm.allreduce_sum_(on_gpu)
+    comm.destroy()
+
+
+@needs_2_gpus
+def test_nccl_abort_releases_an_allreduce_blocked_in_another_thread(
+    store: dist.TCPStore, prefix: str
+) -> None:
+    built = threading.Barrier(2)
+    comms: dict[int, Communicator] = {}
+    timings: dict[str, float] = {}
+
+    def rank(r: int) -> str:
+        torch.cuda.set_device(r)
+        client = connect_store(_addr(store))
+        arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
+        comm = comms[r] = Communicator(
+            client, prefix, r, 2, timeout_s=10 * JOIN_S, device=torch.device("cuda", r)
+        )
+        built.wait(JOIN_S)
+        if r == 0:  # never joins; aborts the peer from here
+            time.sleep(1.0)
+            comms[1].abort()
+            comm.destroy()
+            return "left"
+        t0 = time.monotonic()
+        try:
+            comm.allreduce_sum_(torch.ones(1 << 20, device=comm.device))
+        except CommError as exc:
+            timings["op_s"] = time.monotonic() - t0
+            return f"CommError: {exc}"
+        return "completed"
+
+    res = run_ranks(2, rank)
+    assert res[0] == "left"
+    assert res[1].startswith("CommError: allreduce on"), res[1]
+    assert timings["op_s"] < JOIN_S, timings  # released by the abort, far before the op timeout

@@ -1,7 +1,10 @@
 """State packing and transfer (phalanx.runtime.state): pack/unpack round trips, a
 model+AdamW hand-over, the CRC check, send_state/recv_state over a real 2-rank
 gloo communicator (ranks as threads over a loopback TCPStore), and refusal of
-malformed metadata and headers before anything they size is allocated."""
+malformed metadata and headers before anything they size is allocated; the host
+flag of each tensor, both checksum kinds (CRC32 and the device-side WSUM31, both
+testable on the CPU), and (skipped without GPUs) packing on CUDA and transfer over
+NCCL."""
 
 from __future__ import annotations
 
@@ -434,7 +437,8 @@ def _set(doc: dict[str, Any], table_i: int, field: int, value: Any) -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        (lambda d: d.update(v=2), "unsupported state format version 2"),
+        (lambda d: d.update(v=1), "unsupported state format version 1"),  # the format before "host"
+        (lambda d: d.update(v=3), "unsupported state format version 3"),
         (lambda d: d.update(extra=1), "not a state description"),
         (lambda d: _set(d, 0, 0, "object"), "dtype 'object' is not allowed"),
         (lambda d: _set(d, 0, 0, "qint8"), "dtype 'qint8' is not allowed"),
@@ -470,7 +474,7 @@ def test_unpack_refuses_excessive_depth() -> None:
     node: Any = 1
     for _ in range(state_mod.MAX_DEPTH + 1):
         node = ["list", [node]]
-    meta = msgpack.packb({"v": 1, "size": 0, "tensors": [], "tree": node})
+    meta = msgpack.packb({"v": state_mod._VERSION, "size": 0, "tensors": [], "tree": node})
     with pytest.raises(StateTransferError, match="deeper than"):
         unpack(meta, torch.empty(0, dtype=torch.uint8))
 
@@ -511,7 +515,15 @@ def test_unpack_refuses_non_msgpack_or_foreign_metadata(meta: bytes) -> None:
 
 
 def header_bytes(**kw: Any) -> bytes:
-    fields = {"magic": b"PHXS", "version": 1, "flags": 0, "meta_len": 10, "buf_len": 32, "mcrc": 0, "bcrc": 0}
+    fields = {
+        "magic": b"PHXS",
+        "version": state_mod._VERSION,
+        "flags": 0,
+        "meta_len": 10,
+        "buf_len": 32,
+        "mcrc": 0,
+        "bcrc": 0,
+    }
     fields.update(kw)
     return state_mod._HEADER.pack(*fields.values())
 
@@ -520,8 +532,10 @@ def header_bytes(**kw: Any) -> bytes:
     ("kw", "match"),
     [
         ({"magic": b"\x80\x05\x95\x00"}, "not a state header"),
-        ({"version": 2}, "unsupported state format version 2"),
-        ({"flags": 1}, "flags"),
+        ({"version": 1}, "unsupported state format version 1"),
+        ({"version": 3}, "unsupported state format version 3"),
+        ({"flags": 2}, "flags 0x2"),
+        ({"flags": 0x8001}, "flags 0x8001"),
         ({"meta_len": (64 << 20) + 1}, "metadata length 67108865"),
         ({"meta_len": 0}, "metadata length 0"),
         ({"meta_len": -1}, "metadata length -1"),
@@ -538,7 +552,8 @@ def test_parse_header_refuses(kw: dict[str, Any], match: str) -> None:
 
 def test_parse_header_accepts_a_good_one_and_the_wire_size_is_fixed() -> None:
     assert state_mod._HEADER.size == 32
-    assert state_mod._parse_header(header_bytes(), 4096, src=0) == (10, 32, 0, 0)
+    assert state_mod._parse_header(header_bytes(), 4096, src=0) == (10, 32, 0, 0, "crc32")
+    assert state_mod._parse_header(header_bytes(flags=1), 4096, src=0) == (10, 32, 0, 0, "wsum31")
 
 
 def test_buffer_limit_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -554,6 +569,8 @@ def test_buffer_limit_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
 
 class FakeComm:
     """Plays back queued messages and records each recv's tag and size."""
+
+    device = torch.device("cpu")
 
     def __init__(self, messages: list[bytes]) -> None:
         self.messages = list(messages)
@@ -709,3 +726,226 @@ def test_recv_state_over_gloo_refuses_a_pickle_payload(store: dist.TCPStore) -> 
     assert res[0] is None
     assert isinstance(res[1], StateTransferError) and "msgpack" in str(res[1]), res[1]
     assert received == [state_mod._TAG_HEADER, state_mod._TAG_META]
+
+
+# -- devices: the host flag, the checksum kinds, the device path ---------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+def wsum31_reference(data: bytes) -> int:
+    """The documented WSUM31 formula, in plain Python."""
+    p = (1 << 31) - 1
+    padded = data + b"\0" * (-len(data) % 4)
+    words = [int.from_bytes(padded[i : i + 4], "little") for i in range(0, len(padded), 4)]
+    return sum(x * (i % (1 << 30) + 1) for i, x in enumerate(words)) % p
+
+
+def test_metadata_marks_cpu_tensors_as_host() -> None:
+    meta, buf = pack({"a": torch.ones(3), "b": [torch.arange(2)], "n": 1})
+    doc = msgpack.unpackb(meta)
+    assert doc["v"] == state_mod._VERSION == 2
+    assert [e[4] for e in doc["tensors"]] == [True, True]
+    meta2, buf2 = pack({"a": torch.ones(3), "b": [torch.arange(2)], "n": 1}, torch.device("cpu"))
+    assert meta2 == meta and torch.equal(buf2, buf)
+
+
+def test_device_tensors_of_a_cpu_buffer_come_back_as_views() -> None:
+    """A tensor that was on a device at the sender (host false) is a view into the
+    receiver's buffer wherever that is -- here on the CPU."""
+    meta, buf = tampered(lambda d: [e.__setitem__(4, False) for e in d["tensors"]])
+    got = unpack(meta, buf)
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    assert all(lo <= t.data_ptr() < hi for t in got.values())
+    assert torch.equal(got["a"], torch.arange(6).reshape(2, 3)) and got["a"].device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda d: _set(d, 0, 4, 1), "host flag 1 is not a bool"),
+        (lambda d: _set(d, 1, 4, None), "host flag None is not a bool"),
+        (lambda d: d["tensors"][0].pop(), "entry is not"),
+        (lambda d: d["tensors"][0].append(True), "entry is not"),
+    ],
+)
+def test_unpack_refuses_a_bad_host_flag(change: Callable[[dict[str, Any]], Any], match: str) -> None:
+    meta, buf = tampered(change)
+    with pytest.raises(StateTransferError, match=match):
+        unpack(meta, buf)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 16, 17, 255, 1024, 4099])
+def test_wsum31_matches_the_documented_formula(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    buf = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    assert checksum(buf, kind=state_mod.WSUM31) == wsum31_reference(bytes(buf.tolist()))
+    assert checksum(buf, kind=state_mod.CRC32) == zlib.crc32(bytes(buf.tolist())) == checksum(buf)
+
+
+def test_wsum31_over_many_chunks_and_unaligned_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state_mod, "_WSUM_CHUNK", 4)  # 4 words a step: many steps, same sum
+    g = torch.Generator().manual_seed(1)
+    big = torch.randint(0, 256, (1001,), dtype=torch.uint8, generator=g)
+    big[:64] = 255  # words of 0xFFFFFFFF: the largest products
+    for view in (big, big[1:], big[3:998]):
+        assert checksum(view, kind="wsum31") == wsum31_reference(bytes(view.tolist()))
+
+
+@pytest.mark.parametrize("kind", ["crc32", "wsum31"])
+def test_both_checksums_catch_every_flipped_byte(kind: str) -> None:
+    _, buf = pack(nested_state())
+    good = checksum(buf, kind=kind)
+    assert checksum(buf.clone(), kind=kind) == good
+    for i in range(buf.numel()):
+        for bit in (0x01, 0x80):
+            bad = buf.clone()
+            bad[i] ^= bit
+            assert checksum(bad, kind=kind) != good, (i, bit)
+
+
+def test_wsum31_depends_on_word_order() -> None:
+    buf = torch.arange(64, dtype=torch.uint8)
+    swapped = buf.view(torch.int32).flip(0).contiguous().view(torch.uint8)
+    assert checksum(buf, kind="wsum31") != checksum(swapped, kind="wsum31")
+
+
+def test_checksum_kinds_and_defaults() -> None:
+    assert state_mod.default_checksum_kind(torch.device("cpu")) == "crc32"
+    assert state_mod.default_checksum_kind(torch.device("cuda", 0)) == "wsum31"
+    with pytest.raises(ValueError, match="unknown checksum kind"):
+        checksum(torch.zeros(4, dtype=torch.uint8), kind="md5")
+    with pytest.raises(ValueError, match="unknown checksum kind"):
+        state_mod._encode_header(1, 16, 0, 0, "md5")
+
+
+def test_header_flags_name_the_checksum_kind() -> None:
+    for kind, flags in (("crc32", 0), ("wsum31", 1)):
+        raw = bytes(state_mod._encode_header(10, 32, 7, 9, kind).tolist())
+        assert state_mod._HEADER.unpack(raw)[2] == flags
+        assert state_mod._parse_header(raw, 4096, src=0) == (10, 32, 7, 9, kind)
+
+
+@pytest.mark.parametrize("kind", ["crc32", "wsum31"])
+def test_send_recv_state_with_either_checksum_over_gloo(store: dist.TCPStore, kind: str) -> None:
+    sent = trainer_state()
+    meta, buf = pack(sent)
+
+    def rank(comm: Communicator) -> Any:
+        if comm.rank == 0:
+            return send_state(comm, meta, buf, checksum(buf, kind), 1, kind=kind)
+        return recv_state(comm, src=0)
+
+    res = run_pair(store, rank)
+    assert res[0] is None
+    got, nbytes = res[1]
+    assert nbytes == buf.numel()
+    assert_identical(got, sent)
+
+
+def test_recv_state_verifies_with_the_kind_the_header_names(store: dist.TCPStore) -> None:
+    """A WSUM31 checksum sent as if it were a CRC32 (flags 0) is refused: the
+    receiver verifies with the kind the header names, not the one it would pick."""
+    meta, buf = pack(nested_state())
+
+    def rank(comm: Communicator) -> Any:
+        if comm.rank == 0:
+            return send_state(comm, meta, buf, checksum(buf, "wsum31"), 1, kind="crc32")
+        return recv_state(comm, src=0)
+
+    res = run_pair(store, rank)
+    assert isinstance(res[1], StateTransferError) and "checksum mismatch" in str(res[1]), res[1]
+
+
+def test_recv_state_wsum31_catches_a_corrupted_payload() -> None:
+    meta, buf = pack({"w": torch.arange(64, dtype=torch.float32)})
+    crc = checksum(buf, "wsum31")
+    bad = buf.clone()
+    bad[77] ^= 0x04
+    head = bytes(state_mod._encode_header(len(meta), buf.numel(), zlib.crc32(meta), crc, "wsum31").tolist())
+    with pytest.raises(StateTransferError, match="checksum mismatch from rank 0"):
+        recv_state(FakeComm([head, meta, bytes(bad.tolist())]), src=0)  # type: ignore[arg-type]
+    got, _ = recv_state(FakeComm([head, meta, bytes(buf.tolist())]), src=0)  # type: ignore[arg-type]
+    assert torch.equal(got["w"], torch.arange(64, dtype=torch.float32))
+
+
+# -- real CUDA (skipped without GPUs) ------------------------------------------------------------
+
+
+def cuda_state(device: torch.device) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.Linear(8, 3)).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # step: a CPU tensor per parameter
+    x = torch.randn(4, 5, device=device)
+    model(x).square().mean().backward()
+    opt.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device)},
+        "odd": torch.ones(3, dtype=torch.bfloat16, device=device),
+        "step": 1,
+    }
+
+
+def assert_devices(got: Any, sent: Any, device: torch.device) -> None:
+    if isinstance(sent, torch.Tensor):
+        want = torch.device("cpu") if sent.device.type == "cpu" else device
+        assert got.device == want, (got.device, want)
+        assert torch.equal(got.cpu().reshape(-1).view(torch.uint8), sent.cpu().reshape(-1).view(torch.uint8))
+    elif isinstance(sent, dict):
+        for k in sent:
+            assert_devices(got[k], sent[k], device)
+    elif isinstance(sent, list | tuple):
+        for a, b in zip(got, sent, strict=True):
+            assert_devices(a, b, device)
+
+
+@needs_cuda
+def test_pack_on_cuda_keeps_device_types_bitwise() -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sent = cuda_state(dev)
+    meta, buf = pack(sent, dev)
+    assert buf.device == dev
+    assert checksum(buf) == checksum(buf, "wsum31") == checksum(buf.cpu(), "wsum31")
+    got = unpack(meta, buf)
+    assert_devices(got, sent, dev)
+    assert all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in got["rng"].values())
+    meta_cpu, buf_cpu = pack(sent)  # the CPU-staged path holds the same bytes
+    assert torch.equal(buf_cpu, buf.cpu())
+    assert_devices(unpack(meta_cpu, buf_cpu), sent, torch.device("cpu"))
+
+
+@needs_2_gpus
+def test_send_recv_state_over_nccl(store: dist.TCPStore) -> None:
+    sent = cuda_state(torch.device("cuda", 0))
+    prefix = f"test-state-nccl/{next(_prefixes)}"
+    results: list[Any] = [None, None]
+
+    def body(r: int) -> None:
+        try:
+            torch.cuda.set_device(r)
+            dev = torch.device("cuda", r)
+            client = connect_store(f"127.0.0.1:{store.port}")
+            arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
+            comm = Communicator(client, prefix, r, 2, timeout_s=JOIN_S, device=dev)
+            try:
+                if r == 0:
+                    meta, buf = pack(sent, dev)
+                    send_state(comm, meta, buf, checksum(buf), 1)
+                else:
+                    results[1] = recv_state(comm, src=0)
+            finally:
+                comm.destroy()
+        except BaseException as exc:
+            results[r] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN_S)
+    assert results[0] is None, results[0]
+    got, _ = results[1]
+    assert_devices(got, sent, torch.device("cuda", 1))

@@ -1,4 +1,5 @@
-"""One generation's communicator: a gloo process group over the job's store.
+"""One generation's communicator: a gloo process group over the job's store, and
+an NCCL backend beside it when the job trains on CUDA.
 
 The store is a long-lived ``TCPStore`` hosted by the launcher (never by a
 training rank, which could die with it). Each generation gets its own
@@ -6,31 +7,83 @@ training rank, which could die with it). Each generation gets its own
 never confuse a new one, and a standalone ``ProcessGroupGloo`` wrapped in a
 ``ProcessGroup`` -- no default group, no ``init_process_group``.
 
-Teardown is by dropping references (:meth:`Communicator.destroy`): the gloo
-destructor closes its TCP pairs, which makes every peer still blocked in a
+Devices (:func:`backend_for` is the one place that picks a backend): gloo is
+always registered, for CPU tensors (step counters, the state header and
+metadata, barriers). With a CUDA ``device`` a ``ProcessGroupNCCL`` is registered
+on the same ``ProcessGroup`` for CUDA tensors, so each collective goes where
+its tensor lives: gradients and state buffers over NCCL, the rest over gloo.
+The NCCL communicator is built eagerly, on ``device``, when the
+``Communicator`` is (its cost shows in ``comm_init``, not in the first step).
+
+Teardown, gloo: by dropping references (:meth:`Communicator.destroy`): the
+gloo destructor closes its TCP pairs, which makes every peer still blocked in a
 collective fail with "Connection closed by peer" within tens of ms (the cascade
 measured in notes/inprocess-recovery.md). gloo has no working abort for an
-in-flight op, so every collective also carries a per-op timeout as a backstop.
+in-flight op (notes §2), so every collective also carries a per-op timeout as a
+backstop, and :meth:`Communicator.abort` on gloo only marks the communicator
+aborted: the op in flight still ends by the cascade or its timeout, then fails.
+
+Teardown, NCCL: :meth:`Communicator.abort` calls the backend's abort
+(``ncclCommAbort``), from any thread; a collective blocked in another thread
+then returns and fails with :class:`CommError`. :meth:`Communicator.destroy`
+aborts first, never a graceful shutdown that would wait for work in flight.
+
+NCCL errors must surface in the calling thread, where the runtime recovers,
+not kill the process. So before the first NCCL group is built, unless the
+environment already says otherwise (``os.environ.setdefault``):
+
+* ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: when ProcessGroupNCCL's watchdog sees
+  a collective fail or time out it aborts the communicator (which frees the GPU
+  and any waiter) but does not tear the process down (torch's default, 3, does).
+* ``TORCH_NCCL_DUMP_ON_TIMEOUT=0``: otherwise a timeout writes a dump flag into
+  the store under the prefixes -- the launcher's store, shared by every
+  generation -- and the heartbeat monitor of each rank's first NCCL group that
+  sees the flag dumps and then terminates its process (torch's sources; not
+  measured here), survivors and later generations included.
+
+``TORCH_NCCL_BLOCKING_WAIT`` is left alone: it would switch the watchdog's
+error handling off and make every wait (DDP's too) block the CPU. Instead each
+collective of this class waits with an explicit timeout (``work.wait(timeout)``),
+which torch implements as a blocking wait that, on timeout or error, aborts the
+communicator and raises here (:meth:`Communicator._run` turns that into
+:class:`CommError`). The heartbeat monitor stays on: if the watchdog itself
+hangs (an ``ncclCommAbort`` that never returns) it kills the process after
+``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``, which the runtime handles as a rank exit.
 
 A rendezvous must be abandonable: before the group is built, every member
 announces itself under the prefix and waits for the others with
 :meth:`arrival_barrier`, which polls and gives up when ``cancelled()`` says a
-newer plan has superseded this one.
+newer plan has superseded this one. (NCCL's own communicator init, which
+follows, is blocking: a member that dies inside it leaves the others waiting
+for the store or NCCL bootstrap timeouts.)
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
 
 from phalanx.runtime.addr import listen_socket, split_addr
+from phalanx.telemetry import get_logger
 
 DEFAULT_TIMEOUT_S = 60.0
+
+# What an NCCL group needs for in-process recovery (see the module docstring).
+NCCL_ENV_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+
+_log = get_logger(component="comm")
 
 
 class CommError(RuntimeError):
@@ -97,6 +150,52 @@ def arrival_barrier(
         time.sleep(poll_s)
 
 
+def backend_for(device: torch.device) -> str:
+    """The backend for tensors on ``device``: ``"gloo"`` for cpu, ``"nccl"`` for cuda.
+
+    The one place that decides. Any other device type, or cuda on a torch built
+    without NCCL, is a :class:`ValueError` saying so.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "gloo"
+    if device.type == "cuda":
+        if not dist.is_nccl_available():
+            raise ValueError(
+                f"device {device} needs NCCL, and this torch ({torch.__version__}) is built without it"
+            )
+        return "nccl"
+    raise ValueError(
+        f"no communication backend for device {device}: Phalanx runs on cpu (gloo) or cuda (nccl)"
+    )
+
+
+def _cuda_device(device: torch.device) -> torch.device:
+    """``device`` with its index, once it is known to exist here."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device} was asked for, but no CUDA device is available here")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not 0 <= index < count:
+        raise ValueError(f"device {device}: this machine has {count} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+def _nccl_backend(
+    store: dist.Store, prefix: str, rank: int, world_size: int, timeout: timedelta
+) -> C10dBackend:
+    """A ``ProcessGroupNCCL`` under its own prefix, after the environment it needs."""
+    from torch._C._distributed_c10d import ProcessGroupNCCL  # only in builds with NCCL
+    from torch.distributed.distributed_c10d import GroupName
+
+    for key, value in NCCL_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)  # read by ProcessGroupNCCL's constructor
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    opts.group_name = GroupName(prefix)  # names the group in NCCL's log lines
+    return ProcessGroupNCCL(dist.PrefixStore(f"{prefix}/nccl", store), rank, world_size, opts)
+
+
 class Communicator:
     """The process group of one generation, and the few collectives the runtime uses."""
 
@@ -108,13 +207,25 @@ class Communicator:
         world_size: int,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         bind: str | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``bind``: the address gloo listens on and announces (the node's interface);
-        None lets gloo pick from the hostname, as torch does by default."""
+        None lets gloo pick from the hostname, as torch does by default.
+
+        ``device`` (default cpu): where the training tensors live. A cuda device adds
+        an NCCL communicator on that GPU (its index, or the current device) for CUDA
+        tensors; the caller picks the GPU (``torch.cuda.set_device``). A device with
+        no backend here is a :class:`ValueError` before anything is built."""
         self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
         self.timeout = timedelta(seconds=timeout_s)
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        use_nccl = backend_for(self.device) == "nccl"
+        if use_nccl:
+            self.device = _cuda_device(self.device)
+        self._lock = threading.Lock()
+        self._aborted = False
         pstore = dist.PrefixStore(f"{prefix}/pg", store)
         try:
             if bind:
@@ -128,8 +239,20 @@ class Communicator:
             raise CommError(f"building process group {prefix}: {exc}") from exc
         pg = dist.ProcessGroup(pstore, rank, world_size)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)  # barriers and the like: gloo
+        nccl: C10dBackend | None = None
+        if use_nccl:
+            try:
+                pg.bound_device_id = self.device  # handed to the NCCL backend as it is registered
+                nccl = _nccl_backend(store, prefix, rank, world_size, self.timeout)
+                pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+                nccl.eager_connect_single_device(self.device)  # ncclCommInitRank now, not in step 1
+            except Exception as exc:
+                if nccl is not None:
+                    _abort_quietly(nccl, prefix)
+                raise CommError(f"building the NCCL group {prefix} on {self.device}: {exc}") from exc
         self._backend: dist.ProcessGroupGloo | None = backend
+        self._nccl: C10dBackend | None = nccl
         self._pg: dist.ProcessGroup | None = pg
 
     @property
@@ -138,16 +261,52 @@ class Communicator:
             raise CommError(f"communicator {self.prefix} was destroyed")
         return self._pg
 
+    @property
+    def aborted(self) -> bool:
+        """:meth:`abort` was called: every op from now on (and one in flight) fails."""
+        return self._aborted
+
+    def abort(self) -> None:
+        """End this communicator now, from any thread; never raises.
+
+        NCCL: ``ncclCommAbort`` through the backend, which releases an op blocked in
+        another thread (that op then raises :class:`CommError`). gloo cannot abort an
+        op in flight (notes §2): this only marks the communicator aborted, and the op
+        ends by the destroy cascade of a peer or its per-op timeout, then fails.
+        """
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            nccl = self._nccl
+        if nccl is not None:
+            _abort_quietly(nccl, self.prefix)
+
     def destroy(self) -> None:
-        """Drop the group at once: its sockets close and blocked peers fail fast."""
+        """Drop the group at once: NCCL is aborted first (never a graceful shutdown that
+        waits for work in flight); gloo's sockets close and blocked peers fail fast."""
+        if self._nccl is not None:
+            self.abort()
         self._pg = None
         self._backend = None
+        self._nccl = None
 
-    def _run(self, what: str, fn: Callable[[], object]) -> None:
+    def _run(self, what: str, fn: Callable[[], Any], wait: timedelta | None = None) -> None:
+        """Run one op to its end. ``wait``: for an NCCL op, the timeout of a blocking
+        ``work.wait`` (torch aborts the communicator and raises on expiry); gloo ops
+        wait plainly and end by their own per-op timeout."""
         work = None
         try:
+            self.pg  # noqa: B018  # raises once destroyed
+            if self._aborted:
+                raise CommError(f"communicator {self.prefix} was aborted")
             work = fn()
-            work.wait()  # type: ignore[attr-defined]
+            if wait is None:
+                work.wait()
+            else:
+                work.wait(wait)
+            if self._aborted:  # an aborted NCCL op returns, its output possibly partial
+                raise CommError(f"communicator {self.prefix} was aborted during the op")
             return
         except Exception as exc:
             msg = f"{what} on {self.prefix} failed: {exc}"
@@ -157,19 +316,35 @@ class Communicator:
         self.destroy()
         raise CommError(msg)
 
+    def _nccl_wait(self, t: torch.Tensor, timeout: timedelta) -> timedelta | None:
+        return timeout if self._nccl is not None and t.device.type == "cuda" else None
+
     def allreduce_sum_(self, t: torch.Tensor, timeout_s: float | None = None) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stubs mix ReduceOp and RedOpType
         opts.timeout = timedelta(seconds=timeout_s) if timeout_s else self.timeout
-        self._run("allreduce", lambda: self.pg.allreduce([t], opts))
+        self._run("allreduce", lambda: self.pg.allreduce([t], opts), self._nccl_wait(t, opts.timeout))
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self._run(f"send to {dst}", lambda: self.pg.send([t], dst, tag))
+        self._run(f"send to {dst}", lambda: self.pg.send([t], dst, tag), self._nccl_wait(t, self.timeout))
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> None:
-        self._run(f"recv from {src}", lambda: self.pg.recv([t], src, tag))
+        self._run(f"recv from {src}", lambda: self.pg.recv([t], src, tag), self._nccl_wait(t, self.timeout))
 
     def barrier(self) -> None:
         opts = dist.BarrierOptions()
         opts.timeout = self.timeout
+        if self._nccl is not None:
+            opts.device = torch.device("cpu")  # over gloo, even where NCCL is the device's backend
         self._run("barrier", lambda: self.pg.barrier(opts))
+
+
+def _abort_quietly(backend: C10dBackend, prefix: str) -> None:
+    """``backend.abort()``, its errors logged, never raised."""
+    t0 = time.monotonic()
+    try:
+        backend.abort()
+    except Exception as exc:
+        _log.warning("comm_abort_failed", prefix=prefix, error=str(exc)[:300])
+        return
+    _log.info("comm_aborted", prefix=prefix, ms=round((time.monotonic() - t0) * 1000.0, 2))

@@ -6,21 +6,37 @@ byte buffer plus a small msgpack description; :func:`unpack` reverses it, the
 tensors coming back as zero-copy views into the buffer. :func:`send_state` /
 :func:`recv_state` move a packed state over a generation's communicator.
 
+Devices: ``pack(obj, device)`` builds the buffer on ``device`` (default cpu);
+on a GPU, tensors already there are copied into it on the device, never through
+host memory. Each tensor keeps its device *type* across the round trip: one
+that was on the CPU at the sender (the RNG state, Adam's ``step``) comes back
+on the CPU (copied out of a device buffer, all such tensors in one transfer);
+one that was on an accelerator comes back as a view into the receiver's buffer,
+on that buffer's device. :func:`checksum` is CRC32 for a CPU buffer and, for a
+device buffer, a weighted sum computed on the device (``wsum31``, see there),
+so verifying never copies the buffer to the host.
+
 Nothing a peer sends is unpickled, and nothing is allocated from a size that
 has not been checked. On the wire a state is three messages:
 
-* a 32-byte header: magic ``PHXS``, format version, flags (0), metadata length
+* a 32-byte header: magic ``PHXS``, format version (2), flags, metadata length
   (1 to 64 MiB), buffer length (0 to ``PHALANX_STATE_MAX_BYTES``, 64 GiB by
-  default, a multiple of 16), CRC32 of the metadata, CRC32 of the buffer;
-* the metadata, a msgpack map ``{"v": 1, "size": buffer bytes, "tensors":
-  [[dtype name, shape, offset, nbytes], ...], "tree": node}``. Tensors lie in
-  table order, each on a 16-byte boundary; dtypes come from a fixed allow-list.
-  A tree node is None, a bool, int, float, str or bytes, or a tagged list:
-  ``["list", items]``, ``["tuple", items]``, ``["dict", keys, values]``,
-  ``["odict", keys, values, _metadata node or None]``, ``["tensor", index]``,
-  ``["dtype", name]``, ``["size", dims]`` or ``["device", name]``; dict keys
-  are str or int;
+  default, a multiple of 16), CRC32 of the metadata, checksum of the buffer.
+  Flags: bit 0 says which checksum the buffer's is (0: CRC32, 1: ``wsum31``);
+  every other bit must be 0;
+* the metadata, a msgpack map ``{"v": 2, "size": buffer bytes, "tensors":
+  [[dtype name, shape, offset, nbytes, host], ...], "tree": node}``. ``host``
+  (a bool) is true for a tensor that was on the CPU at the sender. Tensors lie
+  in table order, each on a 16-byte boundary; dtypes come from a fixed
+  allow-list. A tree node is None, a bool, int, float, str or bytes, or a
+  tagged list: ``["list", items]``, ``["tuple", items]``, ``["dict", keys,
+  values]``, ``["odict", keys, values, _metadata node or None]``, ``["tensor",
+  index]``, ``["dtype", name]``, ``["size", dims]`` or ``["device", name]``;
+  dict keys are str or int;
 * the buffer.
+
+Header and metadata travel as CPU tensors (gloo); the buffer travels on the
+communicator's device (NCCL for cuda), and the receiver allocates it there.
 
 The receiver checks the header before it allocates the metadata, and the whole
 metadata (every span inside the buffer and matching its dtype and shape, depth,
@@ -49,12 +65,16 @@ import torch
 from phalanx.runtime.comm import Communicator
 
 __all__ = [
+    "CHECKSUM_KINDS",
+    "CRC32",
     "MAX_BUFFER_BYTES_ENV",
     "MAX_DEPTH",
     "MAX_META_BYTES",
     "MAX_TENSORS",
+    "WSUM31",
     "StateTransferError",
     "checksum",
+    "default_checksum_kind",
     "max_buffer_bytes",
     "pack",
     "recv_state",
@@ -65,9 +85,17 @@ __all__ = [
 _TAG_HEADER, _TAG_META, _TAG_BUF = 101, 102, 103
 _ALIGN = 16
 _MAGIC = b"PHXS"
-_VERSION = 1
-# magic, version, flags, meta length, buffer length, meta CRC32, buffer CRC32 (little-endian)
+_VERSION = 2
+# magic, version, flags, meta length, buffer length, meta CRC32, buffer checksum (little-endian)
 _HEADER = struct.Struct("<4sHHqqII")
+
+CRC32 = "crc32"  # zlib.crc32 of the bytes, on the host
+WSUM31 = "wsum31"  # weighted sum of 4-byte words mod 2**31 - 1, on the buffer's device
+CHECKSUM_KINDS = (CRC32, WSUM31)
+_FLAG_WSUM31 = 0x1  # header flags bit 0: the buffer's checksum is WSUM31 (else CRC32)
+_KNOWN_FLAGS = _FLAG_WSUM31
+_P31 = (1 << 31) - 1  # a Mersenne prime
+_WSUM_CHUNK = 1 << 22  # 4-byte words per step (bounds temporaries to ~64 MiB); divides 2**30
 
 MAX_META_BYTES = 64 << 20
 MAX_BUFFER_BYTES_ENV = "PHALANX_STATE_MAX_BYTES"
@@ -137,9 +165,18 @@ def _where(path: str) -> str:
 # -- pack ----------------------------------------------------------------------------------------
 
 
-def pack(obj: Any) -> tuple[bytes, torch.Tensor]:
-    """``obj`` as (msgpack metadata, one aligned uint8 buffer holding every tensor)."""
+def pack(obj: Any, device: torch.device | None = None) -> tuple[bytes, torch.Tensor]:
+    """``obj`` as (msgpack metadata, one aligned uint8 buffer holding every tensor).
+
+    The buffer lives on ``device`` (default cpu). On a GPU, tensors are copied into
+    it where they are (device to device; CPU tensors from the host), and the
+    metadata records which were CPU tensors so that :func:`unpack` returns them
+    on the CPU.
+    """
+    target = torch.device("cpu") if device is None else torch.device(device)
+    staged = target.type == "cpu"  # a host buffer: every tensor goes through host memory
     tensors: list[torch.Tensor] = []
+    hosts: list[bool] = []
 
     def refuse(path: str, what: str) -> TypeError:
         return TypeError(f"cannot pack {what} {_where(path)}")
@@ -178,7 +215,11 @@ def pack(obj: Any) -> tuple[bytes, torch.Tensor]:
                 raise refuse(path, f"a {o.layout} tensor on {o.device}")
             if len(tensors) >= MAX_TENSORS:
                 raise StateTransferError(f"state holds more than {MAX_TENSORS} tensors")
-            tensors.append(o.detach().cpu().resolve_conj().resolve_neg().contiguous())
+            d = o.detach()
+            hosts.append(d.device.type == "cpu")
+            if staged:
+                d = d.cpu()
+            tensors.append(d.resolve_conj().resolve_neg().contiguous())
             return ["tensor", len(tensors) - 1]
         if t is torch.Size:
             return ["size", list(o)]
@@ -207,13 +248,13 @@ def pack(obj: Any) -> tuple[bytes, torch.Tensor]:
     # as its dtype whatever came before it (an odd-sized uint8 tensor, say).
     table: list[list[Any]] = []
     offsets, end = [], 0
-    for t, f in zip(tensors, flat, strict=True):
-        table.append([_DTYPE_NAMES[t.dtype], list(t.shape), end, f.numel()])
+    for t, f, host in zip(tensors, flat, hosts, strict=True):
+        table.append([_DTYPE_NAMES[t.dtype], list(t.shape), end, f.numel(), host])
         offsets.append(end)
         end += _aligned(f.numel())
-    buf = torch.zeros(end, dtype=torch.uint8)
+    buf = torch.zeros(end, dtype=torch.uint8, device=target)
     for off, f in zip(offsets, flat, strict=True):
-        buf[off : off + f.numel()] = f
+        buf[off : off + f.numel()].copy_(f)  # on a GPU buffer: device to device where it can
     meta = msgpack.packb({"v": _VERSION, "size": end, "tensors": table, "tree": tree}, use_bin_type=True)
     if len(meta) > MAX_META_BYTES:
         raise StateTransferError(f"state metadata is {len(meta)} bytes, over {MAX_META_BYTES}")
@@ -233,6 +274,7 @@ class _Span:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    host: bool  # a CPU tensor at the sender: comes back on the CPU
 
 
 @dataclass(frozen=True)
@@ -285,9 +327,9 @@ def _read_meta(meta: bytes, size: int) -> _Layout:
 
 
 def _check_span(i: int, entry: Any, size: int, expected: int) -> _Span:
-    if type(entry) is not list or len(entry) != 4:
-        raise StateTransferError(f"tensor {i}: entry is not [dtype, shape, offset, nbytes]")
-    name, shape, off, nbytes = entry
+    if type(entry) is not list or len(entry) != 5:
+        raise StateTransferError(f"tensor {i}: entry is not [dtype, shape, offset, nbytes, host]")
+    name, shape, off, nbytes, host = entry
     dtype = _DTYPES.get(name) if type(name) is str else None
     if dtype is None:
         raise StateTransferError(f"tensor {i}: dtype {name!r} is not allowed")
@@ -306,7 +348,9 @@ def _check_span(i: int, entry: Any, size: int, expected: int) -> _Span:
         raise StateTransferError(f"tensor {i}: {nbytes} bytes for shape {tuple(shape)} {name} (needs {want})")
     if off != expected:
         raise StateTransferError(f"tensor {i}: offset {off}, expected {expected} (tensors lie in order)")
-    return _Span(dtype, tuple(shape), off, nbytes)
+    if type(host) is not bool:
+        raise StateTransferError(f"tensor {i}: host flag {host!r} is not a bool"[:200])
+    return _Span(dtype, tuple(shape), off, nbytes, host)
 
 
 def _decode(node: Any, views: list[torch.Tensor] | None, ntensors: int, path: str, depth: int) -> Any:
@@ -372,21 +416,97 @@ def _decode(node: Any, views: list[torch.Tensor] | None, ntensors: int, path: st
 
 
 def _build(layout: _Layout, buf: torch.Tensor) -> Any:
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu" or not buf.is_contiguous():
-        raise StateTransferError(f"state buffer must be a contiguous 1-D CPU uint8 tensor, got {buf.dtype}")
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.device.type == "meta":
+        raise StateTransferError(
+            f"state buffer must be a contiguous 1-D uint8 tensor with storage, got {buf.dtype}"
+            f" {tuple(buf.shape)} on {buf.device}"
+        )
     if buf.storage_offset() % _ALIGN or buf.data_ptr() % _ALIGN:
         buf = buf.clone()  # views need each tensor aligned to its element size
-    views = [buf[s.offset : s.offset + s.nbytes].view(s.dtype).reshape(s.shape) for s in layout.spans]
+    spans = layout.spans
+    views = [buf[s.offset : s.offset + s.nbytes].view(s.dtype).reshape(s.shape) for s in spans]
+    host = [i for i, s in enumerate(spans) if s.host]
+    if buf.device.type != "cpu" and host:
+        # CPU tensors at the sender come back on the CPU: their aligned spans, gathered
+        # on the device, cross to the host in one copy (they are small: RNG, steps)
+        staged = torch.cat([buf[spans[i].offset : spans[i].offset + _aligned(spans[i].nbytes)] for i in host])
+        staged = staged.cpu()
+        pos = 0
+        for i in host:
+            s = spans[i]
+            views[i] = staged[pos : pos + s.nbytes].view(s.dtype).reshape(s.shape)
+            pos += _aligned(s.nbytes)
     return _decode(layout.tree, views, len(views), "", 0)
 
 
 def unpack(meta: bytes, buf: torch.Tensor) -> Any:
-    """The object :func:`pack` was given; its tensors are views into ``buf``."""
+    """The object :func:`pack` was given; its tensors are views into ``buf`` (on
+    ``buf``'s device), except, with a device buffer, those that were CPU tensors at
+    the sender, which come back on the CPU."""
     return _build(_read_meta(meta, buf.numel()), buf)
 
 
-def checksum(buf: torch.Tensor) -> int:
-    return zlib.crc32(buf.numpy().data)
+def default_checksum_kind(device: torch.device) -> str:
+    """:data:`CRC32` for a CPU buffer, :data:`WSUM31` for one on any other device."""
+    return CRC32 if torch.device(device).type == "cpu" else WSUM31
+
+
+def checksum(buf: torch.Tensor, kind: str | None = None) -> int:
+    """A 32-bit checksum of ``buf``'s bytes; ``kind`` defaults to
+    :func:`default_checksum_kind` of its device.
+
+    :data:`CRC32`: ``zlib.crc32`` on the host (a device buffer would be copied over,
+    which :func:`send_state` never asks for). :data:`WSUM31`: computed where the
+    buffer is, with exact integer arithmetic (no overflow, no order dependence),
+    so every device and the CPU agree bit for bit::
+
+        sum over i of  x_i * ((i mod 2**30) + 1)   mod  P = 2**31 - 1
+
+    where ``x_i`` is the i-th little-endian unsigned 32-bit word (a partial last
+    word zero-padded). P is prime and every weight lies in [1, 2**30], so a
+    change to one word by any amount other than a multiple of P is always caught:
+    every corrupted byte, every corrupted bit. A swap of two different words is
+    caught unless they lie a multiple of 2**30 words (4 GiB) apart; other
+    corruption passes with probability about 2**-31.
+    """
+    kind = default_checksum_kind(buf.device) if kind is None else kind
+    if kind == CRC32:
+        host = buf.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
+        return zlib.crc32(host.numpy().data)
+    if kind == WSUM31:
+        return _wsum31(buf)
+    raise ValueError(f"unknown checksum kind {kind!r} (one of {CHECKSUM_KINDS})")
+
+
+def _wsum31(buf: torch.Tensor) -> int:
+    flat = buf.detach().reshape(-1).contiguous().view(torch.uint8)
+    n = flat.numel()
+    nwords = n // 4
+    if flat.storage_offset() % 4:
+        flat = flat.clone()  # viewing as 32-bit words needs a 4-byte-aligned start
+    words = flat[: nwords * 4].view(torch.int32)
+    ramp = torch.arange(min(nwords, _WSUM_CHUNK), dtype=torch.int64, device=flat.device)
+    sums: list[torch.Tensor] = []
+    weighted: list[torch.Tensor] = []
+    starts: list[int] = []
+    for start in range(0, nwords, _WSUM_CHUNK):
+        x = words[start : start + _WSUM_CHUNK].to(torch.int64).bitwise_and_(0xFFFFFFFF)  # < 2**32
+        sums.append(x.sum())  # < 2**22 * 2**32: no overflow
+        # (x_j * j) mod P per word, j < 2**22: products < 2**54, the sum < 2**53
+        weighted.append(x.mul_(ramp[: x.numel()]).remainder_(_P31).sum())
+        starts.append(start)
+    total = 0
+    if starts:
+        # chunk k holds words start..start+L-1 with weights (start mod 2**30) + 1 + j, since
+        # chunks never straddle a multiple of 2**30: sum = w0 * sum(x) + sum(x_j * j)
+        w0 = torch.tensor([s % (1 << 30) + 1 for s in starts], dtype=torch.int64, device=flat.device)
+        part = (w0 * torch.stack(sums).remainder_(_P31) + torch.stack(weighted)).remainder_(_P31)
+        total = int(part.sum()) % _P31  # < 2**31 per chunk: no overflow; one scalar to the host
+    tail = flat[nwords * 4 :]
+    if tail.numel():
+        last = int.from_bytes(bytes(tail.cpu().tolist()), "little")  # zero-padded to a word
+        total = (total + last * (nwords % (1 << 30) + 1)) % _P31
+    return total
 
 
 # -- over a communicator ------------------------------------------------------------------------
@@ -397,10 +517,19 @@ class _Header(NamedTuple):
     buf_len: int
     meta_crc: int
     buf_crc: int
+    kind: str  # which checksum buf_crc is
 
 
-def _encode_header(meta_len: int, buf_len: int, meta_crc: int, buf_crc: int) -> torch.Tensor:
-    raw = _HEADER.pack(_MAGIC, _VERSION, 0, meta_len, buf_len, meta_crc, buf_crc)
+def _flags_for(kind: str) -> int:
+    if kind not in CHECKSUM_KINDS:
+        raise ValueError(f"unknown checksum kind {kind!r} (one of {CHECKSUM_KINDS})")
+    return _FLAG_WSUM31 if kind == WSUM31 else 0
+
+
+def _encode_header(
+    meta_len: int, buf_len: int, meta_crc: int, buf_crc: int, kind: str = CRC32
+) -> torch.Tensor:
+    raw = _HEADER.pack(_MAGIC, _VERSION, _flags_for(kind), meta_len, buf_len, meta_crc, buf_crc)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
@@ -413,7 +542,7 @@ def _parse_header(raw: bytes, max_bytes: int, src: int) -> _Header:
         raise StateTransferError(f"not a state header from rank {src} (magic {magic!r})")
     if version != _VERSION:
         raise StateTransferError(f"unsupported state format version {version} from rank {src}")
-    if flags:
+    if flags & ~_KNOWN_FLAGS:
         raise StateTransferError(f"unknown state header flags {flags:#x} from rank {src}")
     if not 1 <= meta_len <= MAX_META_BYTES:
         raise StateTransferError(
@@ -425,14 +554,27 @@ def _parse_header(raw: bytes, max_bytes: int, src: int) -> _Header:
         )
     if buf_len % _ALIGN:
         raise StateTransferError(f"state buffer length {buf_len} from rank {src} not a multiple of {_ALIGN}")
-    return _Header(meta_len, buf_len, meta_crc, buf_crc)
+    kind = WSUM31 if flags & _FLAG_WSUM31 else CRC32
+    return _Header(meta_len, buf_len, meta_crc, buf_crc, kind)
 
 
-def send_state(comm: Communicator, meta: bytes, buf: torch.Tensor, crc: int, dst: int) -> None:
-    """Send ``pack``'s output with ``crc`` = ``checksum(buf)``: header, metadata, buffer."""
+def send_state(
+    comm: Communicator, meta: bytes, buf: torch.Tensor, crc: int, dst: int, kind: str | None = None
+) -> None:
+    """Send ``pack``'s output with ``crc`` = ``checksum(buf, kind)``: header, metadata, buffer.
+
+    ``kind`` defaults to :func:`default_checksum_kind` of ``buf``'s device, which is
+    what ``checksum(buf)`` computes. Header and metadata go as CPU tensors (gloo);
+    the buffer goes on ``comm.device`` (NCCL for cuda), copied there first if it
+    was packed elsewhere.
+    """
+    kind = default_checksum_kind(buf.device) if kind is None else kind
     if not 1 <= len(meta) <= MAX_META_BYTES:
         raise StateTransferError(f"state metadata is {len(meta)} bytes, outside [1, {MAX_META_BYTES}]")
-    comm.send(_encode_header(len(meta), buf.numel(), zlib.crc32(meta), crc), dst, _TAG_HEADER)
+    header = _encode_header(len(meta), buf.numel(), zlib.crc32(meta), crc, kind)
+    if buf.numel() and buf.device != comm.device:
+        buf = buf.to(comm.device)  # the receiver's buffer is on its comm.device: same backend
+    comm.send(header, dst, _TAG_HEADER)
     comm.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), dst, _TAG_META)
     if buf.numel():
         comm.send(buf, dst, _TAG_BUF)
@@ -440,7 +582,8 @@ def send_state(comm: Communicator, meta: bytes, buf: torch.Tensor, crc: int, dst
 
 def recv_state(comm: Communicator, src: int, max_bytes: int | None = None) -> tuple[Any, int]:
     """Receive and verify a state; returns (state, bytes received). ``max_bytes`` bounds
-    the buffer (default :func:`max_buffer_bytes`)."""
+    the buffer (default :func:`max_buffer_bytes`). The buffer is allocated on
+    ``comm.device`` and verified there with the checksum kind the header names."""
     limit = max_buffer_bytes() if max_bytes is None else max_bytes
     raw = torch.zeros(_HEADER.size, dtype=torch.uint8)
     comm.recv(raw, src, _TAG_HEADER)
@@ -454,10 +597,10 @@ def recv_state(comm: Communicator, src: int, max_bytes: int | None = None) -> tu
             f"metadata checksum mismatch from rank {src}: sent {head.meta_crc:#x}, got {got:#x}"
         )
     layout = _read_meta(meta, head.buf_len)
-    buf = torch.empty(head.buf_len, dtype=torch.uint8)
+    buf = torch.empty(head.buf_len, dtype=torch.uint8, device=comm.device)
     if head.buf_len:
         comm.recv(buf, src, _TAG_BUF)
-    got = checksum(buf)
+    got = checksum(buf, head.kind)
     if got != head.buf_crc:
         raise StateTransferError(f"checksum mismatch from rank {src}: sent {head.buf_crc:#x}, got {got:#x}")
     return _build(layout, buf), head.buf_len
