@@ -136,20 +136,20 @@ def test_collective_bound_is_learned_from_recent_all_reduces(monkeypatch: pytest
     for name in ("PHALANX_COLLECTIVE_FLOOR_MS", "PHALANX_COLLECTIVE_FACTOR", "PHALANX_COLLECTIVE_INITIAL_MS"):
         monkeypatch.delenv(name, raising=False)
     t = _trainer()
-    assert t.collective_bound_s() == 60.0  # nothing completed in this generation yet
-    t._collective_ms.extend([10.0, 120.0, 30.0])
-    assert t.collective_bound_s() == 2.0  # the floor: 4 x 120 ms is less
-    t._collective_ms.append(900.0)
-    assert t.collective_bound_s() == pytest.approx(3.6)  # 4 x the slowest recent one
-    t._collective_ms.extend([1.0] * 20)  # the slow one slid out of the window
-    assert t.collective_bound_s() == 2.0
+    assert t.session.collective_bound_s() == 60.0  # nothing completed in this generation yet
+    t.session._collective_ms.extend([10.0, 120.0, 30.0])
+    assert t.session.collective_bound_s() == 2.0  # the floor: 4 x 120 ms is less
+    t.session._collective_ms.append(900.0)
+    assert t.session.collective_bound_s() == pytest.approx(3.6)  # 4 x the slowest recent one
+    t.session._collective_ms.extend([1.0] * 20)  # the slow one slid out of the window
+    assert t.session.collective_bound_s() == 2.0
     monkeypatch.setenv("PHALANX_COLLECTIVE_FLOOR_MS", "500")
     monkeypatch.setenv("PHALANX_COLLECTIVE_FACTOR", "10")
     monkeypatch.setenv("PHALANX_COLLECTIVE_INITIAL_MS", "300000")
     t = _trainer(collective_timeout_s=90.0)
-    assert t.collective_bound_s() == 90.0  # never above the backstop
-    t._collective_ms.append(80.0)
-    assert t.collective_bound_s() == pytest.approx(0.8)
+    assert t.session.collective_bound_s() == 90.0  # never above the backstop
+    t.session._collective_ms.append(80.0)
+    assert t.session.collective_bound_s() == pytest.approx(0.8)
     monkeypatch.setenv("PHALANX_COLLECTIVE_FACTOR", "0")
     with pytest.raises(ValueError, match="PHALANX_COLLECTIVE_FACTOR"):
         _trainer()

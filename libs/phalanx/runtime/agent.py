@@ -21,6 +21,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,7 @@ class Agent:
         self._severed: set[str] = set()
         self._token = 0  # the highest planner fencing token seen in a plan
         self._follower: PlanFollower | None = None
+        self._listeners: list[Callable[[Plan], None]] = []
 
     # -- lifecycle ------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> Agent:
@@ -157,7 +159,17 @@ class Agent:
             self._cond.notify_all()
         self.log.info("plan_received", generation=plan.generation, reason=plan.reason, by_message=by_message)
         self._cut_lost_hosts(plan)
+        for listener in self._listeners:
+            try:
+                listener(plan)
+            except Exception as exc:  # a listener's bug must not stop plans from being acked
+                self.log.error("plan_listener_failed", error=repr(exc))
         self._ack(plan)
+
+    def on_plan(self, listener: Callable[[Plan], None]) -> None:
+        """Call ``listener(plan)`` on the agent's thread for every newer plan, before
+        it is acknowledged; it must not block (start a thread for slow work)."""
+        self._listeners.append(listener)
 
     def _ack(self, plan: Plan) -> None:
         rank = plan.rank_of(self.status.worker)
