@@ -6,6 +6,11 @@ It reads the environment the launcher sets (``PHALANX_JOB``, ``PHALANX_WORKER``,
 ``NATS_URL``), sets up logs and traces and starts the
 :class:`~phalanx.runtime.agent.Agent` (registration, heartbeats, plans).
 
+``PHALANX_LOCAL_SLOT`` (the worker's slot on its node) picks its GPU: see
+:attr:`Job.device`. A script that keeps its own loop calls :meth:`Job.ddp`,
+:meth:`Job.track` and :meth:`Job.steps` (:mod:`phalanx.runtime.loop`); the
+batteries-included path is :class:`~phalanx.runtime.trainer.Trainer`.
+
 Each generation's plan names the store its members meet on (it moves to a
 surviving node when the node hosting it is lost); :meth:`Job.store_at` connects
 to it on first use and keeps the connection for later generations.
@@ -17,10 +22,14 @@ to it on first use and keeps the connection for later generations.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from phalanx.runtime.agent import Agent
@@ -29,6 +38,12 @@ from phalanx.runtime.faults import FaultPlan
 from phalanx.runtime.status import RankStatus
 from phalanx.schemas import Role
 from phalanx.telemetry import get_logger, setup_logging, setup_tracing, shutdown_tracing
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    from phalanx.runtime.loop import UserLoop
 
 
 class LaunchEnvError(RuntimeError):
@@ -46,7 +61,47 @@ class Job:
     faults: FaultPlan
     bind: str | None = None
     store_connect_s: float = 5.0
+    local_slot: int = 0
     _stores: dict[str, dist.Store] = field(default_factory=dict, repr=False)
+    _loop: UserLoop | None = field(default=None, repr=False)
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current generation (-1 while it has none); it
+        can change when the group shrinks."""
+        return self.status.rank
+
+    @property
+    def device(self) -> torch.device:
+        """This worker's device: ``cuda:<local slot mod GPUs>`` when CUDA is present
+        (made the current device), else the CPU. The communicator's backend follows
+        from it (:func:`phalanx.runtime.comm.backend_for`: NCCL or gloo)."""
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        device = torch.device("cuda", self.local_slot % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+
+    # -- the user's own loop (phalanx.runtime.loop) ------------------------------------
+    @property
+    def loop(self) -> UserLoop:
+        if self._loop is None:
+            from phalanx.runtime.loop import UserLoop
+
+            self._loop = UserLoop(self)
+        return self._loop
+
+    def ddp(self, module: torch.nn.Module, **kwargs: Any) -> DistributedDataParallel:
+        """``DistributedDataParallel(module, **kwargs)`` over Phalanx's generations."""
+        return self.loop.ddp(module, **kwargs)
+
+    def track(self, **objects: Any) -> None:
+        """Name what moves to a joiner: objects with ``state_dict``/``load_state_dict``."""
+        self.loop.track(**objects)
+
+    def steps(self, loader: DataLoader[Any], total: int) -> Iterator[tuple[int, Any]]:
+        """``(step, batch)`` until ``total`` steps are done, failed steps redone."""
+        return self.loop.steps(loader, total)
 
     def store_at(self, addr: str = "") -> dist.Store:
         """The store at ``addr`` (``""``: this node's launcher's), connected once.
@@ -75,6 +130,13 @@ def _need(name: str) -> str:
             f"{name} is not set: start this script with `phalanx run ... -- python script.py`"
         )
     return value
+
+
+def _slot() -> int:
+    raw = os.environ.get("PHALANX_LOCAL_SLOT", "0") or "0"
+    if not raw.isdigit():
+        raise LaunchEnvError(f"PHALANX_LOCAL_SLOT must be a non-negative integer, got {raw!r}")
+    return int(raw)
 
 
 def _warm_imports() -> None:
@@ -108,8 +170,10 @@ def init() -> Job:
         _need("PHALANX_STORE_ADDR"),
         faults,
         bind=os.environ.get("PHALANX_BIND") or None,
+        local_slot=_slot(),
     )
     result.store_at()  # this node's store answers: the launcher is up
+    atexit.register(result.close)  # goodbye heartbeats, spans flushed, also without job.close()
     get_logger(component="runtime").info("worker_ready", job=job, worker=worker, role=role.value)
     _leave_quietly_on_sigterm(result)
     return result

@@ -82,6 +82,7 @@ class Worker:
     name: str
     role: Role
     proc: subprocess.Popen[bytes]
+    slot: int = 0
     exited_at: float | None = None
     returncode: int | None = None
 
@@ -263,8 +264,15 @@ class Launcher:
         host = f"[{self.bind}]" if ":" in self.bind else self.bind
         return f"{host}:{self._port}"
 
+    def free_slot(self) -> int:
+        """The lowest slot index no live worker of this node holds: a worker's
+        ``PHALANX_LOCAL_SLOT``, which picks its GPU (``Job.device``)."""
+        taken = {w.slot for w in self.workers.values() if w.proc.poll() is None}
+        return next(i for i in range(len(taken) + 1) if i not in taken)
+
     def spawn(self, name: str, role: Role) -> Worker:
         cfg = self.config
+        slot = self.free_slot()
         env = {
             **os.environ,
             **cfg.env,
@@ -275,6 +283,8 @@ class Launcher:
             "PHALANX_STORE_ADDR": self.store_addr,
             "PHALANX_BIND": self.bind,
             "PHALANX_LAUNCH": self.run,
+            "PHALANX_LOCAL_SLOT": str(slot),
+            "LOCAL_RANK": str(slot),  # as torchrun sets it: scripts pick their GPU by it
             "PYTHONUNBUFFERED": "1",
         }
         if self.digests is not None:
@@ -305,7 +315,7 @@ class Launcher:
         finally:
             if out is not None:
                 os.close(out)
-        w = Worker(name, role, proc)
+        w = Worker(name, role, proc, slot)
         self.workers[name] = w
         if self.digests is not None:
             self.digests.expect(name, proc.pid)

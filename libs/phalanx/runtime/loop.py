@@ -1,0 +1,479 @@
+"""Phalanx under the user's own loop: their DDP model, DataLoader, optimizer, scheduler.
+
+A torchrun DDP script keeps its shape; the changes are where the process group,
+the sampler and the loop header come from::
+
+    job = phalanx.runtime.init()                        # instead of init_process_group
+    model = job.ddp(MLP().to(job.device))               # instead of DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+    sampler = ElasticSampler(dataset, seed=0)           # instead of DistributedSampler
+    loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+    job.track(model=model, optimizer=opt, scheduler=sched)  # optional: what moves to a joiner
+    for step, (x, y) in job.steps(loader, 1000):        # instead of the epoch/batch loops
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+
+How it fits (torchft's shape: DDP on a placeholder group, gradients through a hook):
+
+- ``job.ddp`` builds a real ``DistributedDataParallel`` on a one-rank group of this
+  process and registers a comm hook that all-reduces each bucket over the
+  session's current generation (SUM of the bucket divided by the world size, as
+  DDP's own reduction does it), under the learned per-op timeout. Bucketing and
+  the overlap of communication with backward are DDP's own.
+- A bucket's all-reduce that fails does not raise: the hook hands back the local
+  gradients and marks the step failed. ``opt.step()`` of the tracked optimizers
+  does nothing in a failed step (it is guarded), and what the tracked LR
+  schedulers' ``step()`` changed is put back (their state and the optimizers'
+  hyperparameters), so the body runs to its end without changing any state, and
+  :meth:`UserLoop.steps` then recovers (:class:`~phalanx.runtime.session.Session`)
+  and yields the same step again: survivors redo it with the batch they hold and
+  the RNG state they had after fetching it; a joiner (and a survivor that missed
+  the last update) takes the state of the most advanced member and reads its
+  batch at the sampler position that came with it.
+- What moves: the tracked objects' ``state_dict`` (torch.distributed.checkpoint's
+  Stateful protocol), the torch RNG states at the start of the step (before its
+  batch was fetched), the sampler's position, and DDP's bucket layout. With
+  nothing tracked, the DDP model and the optimizers and LR schedulers holding its
+  parameters are found and tracked (logged as ``tracked_found``).
+- Bucket layouts must agree across a generation, or the members' all-reduces do
+  not match. DDP puts every gradient in one bucket for the first iteration and
+  rebuilds the buckets from the order gradients became ready; each member
+  rebuilds on its own (the group it was built on has one rank). So on joining a
+  generation a member takes the layout of the most advanced member: its rebuilt
+  one, which is re-made with it (and rebuilt again to the same layout later, as
+  the ready order is the same), or, where that member has not rebuilt yet, a fresh
+  reducer like everyone's first iteration.
+
+The loop is bitwise the plain torchrun script's when the world size is the same
+(same sampler order, same reduction, same bucket layouts), and a run with faults
+is bitwise its own fault-free run when the joiner takes the lost rank's index.
+Limits: one optimizer step per item of ``job.steps`` (gradient accumulation over
+several items is not redone as a unit); per-rank RNG streams (a seed that depends
+on the rank) cannot be recovered for a lost rank -- the joiner gets the source's;
+random draws inside DataLoader worker processes are not reproduced on a joiner;
+model buffers are not re-broadcast from rank 0 every forward (``broadcast_buffers``
+acts on the one-rank group).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import itertools
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from phalanx.runtime.comm import CommError, Communicator
+from phalanx.runtime.job import Job
+from phalanx.runtime.sampler import ElasticSampler
+from phalanx.runtime.session import RecoveryError, Removed, Session
+from phalanx.schemas import Phase
+from phalanx.telemetry import get_logger
+
+Layout = list[list[int]]
+"""DDP buckets by bucket index, each the indices of its parameters."""
+
+_ids = itertools.count()
+
+
+def rng_state() -> dict[str, Any]:
+    """The torch RNG states of this process: CPU, and every CUDA device once CUDA is up."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].cpu().clone())  # a view into a receive buffer segfaults
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.cpu().clone() for t in state["cuda"]])
+
+
+class UserLoop:
+    """The user-loop integration of one job (one per process: ``job.loop``)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.log = get_logger(component="loop", worker=job.worker)
+        self.tracked: dict[str, Any] = {}
+        self.session: Session | None = None
+        self._ddp: DistributedDataParallel | None = None
+        self._local: Communicator | None = None  # the one-rank group DDP is built on
+        self._param_index: dict[int, int] = {}
+        # The step in flight.
+        self._in_step = False
+        self._failed: CommError | None = None
+        self._hooked = False
+        self._buckets: dict[int, list[int]] = {}
+        # DDP's layout: the last complete one after DDP rebuilt its buckets (or that
+        # this rank was given), and whether the reducer has run a backward since made.
+        self._layout: Layout | None = None
+        self._reducer_used = False
+        self._source_layout: Layout | None = None
+        # Data: the loader, its iterator and the step's batch.
+        self._sampler: ElasticSampler | None = None
+        self._loader: DataLoader[Any] | None = None
+        self._it: Iterator[Any] | None = None
+        self._it_at: tuple[int, int, int, int] | None = None  # (epoch, offset, world, rank) of its next batch
+        self._rng_before: dict[str, Any] | None = None  # at the start of the step, before its batch
+        self._rng_step = -1  # the step _rng_before belongs to
+        self._rng_after: dict[str, Any] | None = None  # after the batch was fetched
+        self._held: tuple[tuple[int, int, int], Any] | None = None  # ((step, world, rank), batch)
+        self._received = False
+
+    # -- the user's API --------------------------------------------------------------
+    def ddp(self, module: nn.Module, **kwargs: Any) -> DistributedDataParallel:
+        """``DistributedDataParallel(module, **kwargs)`` whose gradients go over the
+        job's current generation (see the module doc); ``process_group`` is Phalanx's."""
+        if self._ddp is not None:
+            raise RuntimeError("job.ddp() was already called: one DDP model per job")
+        if "process_group" in kwargs:
+            raise ValueError("job.ddp() chooses the process group; do not pass process_group")
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self._local = Communicator(dist.HashStore(), f"phalanx-ddp-{next(_ids)}", 0, 1, device=device)
+        ddp = DistributedDataParallel(module, process_group=self._local.pg, **kwargs)
+        ddp.register_comm_hook(self, _bucket_hook)
+        params, _ = ddp._build_params_for_reducer()
+        self._param_index = {id(p): i for i, p in enumerate(params)}
+        self._ddp = ddp
+        return ddp
+
+    def track(self, **objects: Any) -> None:
+        """What moves to a joiner, by name: objects with ``state_dict`` and
+        ``load_state_dict`` (model, optimizer, scheduler, sampler, your own).
+        An optimizer's ``step`` does nothing in a failed step; an LR scheduler's is undone."""
+        if self.session is not None:
+            raise RuntimeError("job.track() must come before job.steps()")
+        for name, obj in objects.items():
+            if not (
+                callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+            ):
+                raise TypeError(
+                    f"job.track({name}=...): {type(obj).__name__} has no state_dict/load_state_dict"
+                )
+        self.tracked.update(objects)
+
+    def steps(self, loader: DataLoader[Any], total: int) -> Iterator[tuple[int, Any]]:
+        """Yield ``(step, batch)`` until ``total`` optimizer steps are done.
+
+        A spare blocks here until a plan gives it a rank; a worker a plan removes
+        returns. A step whose collective failed is yielded again after recovery.
+        """
+        if self._ddp is None:
+            raise RuntimeError("job.steps() needs the model wrapped by job.ddp(model) first")
+        sampler = getattr(loader, "sampler", None)
+        if not isinstance(sampler, ElasticSampler) or loader.batch_size is None:
+            raise TypeError(
+                "job.steps() needs a DataLoader(dataset, batch_size=..., sampler=ElasticSampler(dataset)):"
+                " a joiner must read exactly the samples of the rank it replaces"
+            )
+        if total < 0:
+            raise ValueError("total must be >= 0")
+        self._sampler, self._loader = sampler, loader
+        self._prepare_tracking()
+        device = next((p.device for p in self._ddp.parameters()), torch.device("cpu"))
+        session = self.session = Session(self.job, self, device=device)
+        try:
+            session.start(self._restore)
+            while session.step < total:
+                if session.superseded():
+                    session.reconfigure(None, self._restore)
+                    continue
+                batch = self._batch()
+                t0, wall0 = time.perf_counter(), time.time()
+                self._failed, self._hooked, self._in_step = None, False, True
+                saved = self._snapshot()
+                self.job.status.enter(Phase.COMPUTE)
+                try:
+                    yield session.step, batch
+                finally:
+                    self._in_step = False
+                failed = self._failed
+                if failed is not None:
+                    self._roll_back(saved)
+                    session.reconfigure(failed, self._restore)
+                    continue
+                self._held = None
+                sampler.advance(loader.batch_size * session.world_size)
+                session.committed((time.perf_counter() - t0) * 1000.0, wall0)
+            session.finish()
+        except Removed:
+            self.log.warning("removed_from_job", generation=session.generation)
+
+    # -- what moves to a joiner (the Session's Stateful) ---------------------------------
+    def _step(self) -> int:
+        return -1 if self.session is None else self.session.step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "tracked": {name: obj.state_dict() for name, obj in self.tracked.items()},
+            "rng": self._rng_before if self._rng_step == self._step() else rng_state(),
+            "ddp": {"layout": self._layout},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, fresh: bool) -> None:
+        tracked = state.get("tracked")
+        if not isinstance(tracked, dict) or set(tracked) != set(self.tracked):
+            got = sorted(tracked) if isinstance(tracked, dict) else tracked
+            raise RecoveryError(f"the peer's state holds {got}, this rank tracks {sorted(self.tracked)}")
+        for name, obj in self.tracked.items():
+            if fresh and obj is self._sampler:
+                continue  # everyone starts the epoch at 0 already
+            obj.load_state_dict(tracked[name])
+        if not fresh:  # a fresh job keeps each rank's own RNG, as under torchrun
+            set_rng_state(state["rng"])
+            self._received = True
+        self._source_layout = _layout_of(state.get("ddp", {}).get("layout"), len(self._param_index))
+
+    # -- data ---------------------------------------------------------------------------
+    def _restore(self, world_size: int, rank: int) -> None:
+        """After a generation is joined: agree on DDP's buckets, then get the batch."""
+        session = self.session
+        assert session is not None
+        layout = self._source_layout if self._received else self._layout
+        if layout is None:
+            if self._reducer_used:
+                self._remake_reducer(None)
+        elif layout != self._layout:
+            self._remake_reducer(layout)
+        self._source_layout = None
+        key = (session.step, world_size, rank)
+        held = self._held
+        if self._received or held is None or held[0] != key:
+            self._held = None
+            if not self._received and held is not None and held[0][0] == key[0] and self._rng_before:
+                set_rng_state(self._rng_before)  # the same step at a new place: read it afresh
+        elif self._rng_after is not None:
+            set_rng_state(self._rng_after)  # redo with the batch in hand, as it was drawn
+        self._received = False
+        self._batch(world_size, rank)
+
+    def _batch(self, world_size: int | None = None, rank: int | None = None) -> Any:
+        """The batch of the session's step for (world_size, rank) (the session's by
+        default): the one held if it is for this very step and place, else the next
+        one of an iterator placed at the sampler's position."""
+        session, sampler, loader = self.session, self._sampler, self._loader
+        assert session is not None and sampler is not None and loader is not None
+        batch_size = loader.batch_size or 0
+        world = session.world_size if world_size is None else world_size
+        rank = session.rank if rank is None else rank
+        key = (session.step, world, rank)
+        if self._held is not None and self._held[0] == key:
+            return self._held[1]
+        self._rng_before, self._rng_step = rng_state(), session.step
+        for _ in range(2):  # at most one epoch boundary before a batch
+            where = (sampler.epoch, sampler.offset, world, rank)
+            if self._it is None or self._it_at != where:
+                # An iterator serves only the position right after its last batch.
+                sampler.place(epoch=sampler.epoch, offset=sampler.offset, world=world, rank=rank)
+                self._it = iter(loader)
+            try:
+                batch = next(self._it)
+                break
+            except StopIteration:
+                sampler.place(epoch=sampler.epoch + 1, offset=0, world=world, rank=rank)
+                self._it = None
+        else:
+            raise RuntimeError(
+                f"the DataLoader yields nothing in epoch {sampler.epoch} at world size {world}"
+            )
+        self._it_at = (sampler.epoch, sampler.offset + batch_size * world, world, rank)
+        self._rng_after = rng_state()
+        self._held = (key, batch)
+        return batch
+
+    # -- tracking and guards ------------------------------------------------------------
+    def _prepare_tracking(self) -> None:
+        assert self._ddp is not None and self._sampler is not None
+        if not self.tracked:
+            self.tracked = {"model": self._ddp, **self._find_optimizers()}
+            self.log.info("tracked_found", objects=sorted(self.tracked))
+        if not any(obj is self._sampler for obj in self.tracked.values()):
+            self.tracked["sampler"] = self._sampler
+        for obj in self.tracked.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                self._guard(obj)
+
+    def _find_optimizers(self) -> dict[str, Any]:
+        """The optimizers holding the DDP model's parameters, and their LR schedulers."""
+        assert self._ddp is not None
+        mine = {id(p) for p in self._ddp.parameters()}
+        live = gc.get_objects()
+        opts = [
+            o
+            for o in live
+            if isinstance(o, torch.optim.Optimizer)
+            and any(id(p) in mine for g in o.param_groups for p in g["params"])
+        ]
+        scheds = [o for o in live if isinstance(o, LRScheduler) and any(o.optimizer is x for x in opts)]
+        found: dict[str, Any] = {f"optimizer{i or ''}": o for i, o in enumerate(opts)}
+        found.update({f"scheduler{i or ''}": s for i, s in enumerate(scheds)})
+        return found
+
+    def _snapshot(self) -> list[tuple[Any, Any]]:
+        """What a failed step's scheduler steps change, to put back: the schedulers'
+        state and the optimizers' hyperparameters (lr, betas, momentum...)."""
+        saved: list[tuple[Any, Any]] = []
+        for obj in self.tracked.values():
+            if isinstance(obj, LRScheduler):
+                saved.append((obj, obj.state_dict()))
+            elif isinstance(obj, torch.optim.Optimizer):
+                saved.append((obj, [{k: v for k, v in g.items() if k != "params"} for g in obj.param_groups]))
+        return saved
+
+    @staticmethod
+    def _roll_back(saved: list[tuple[Any, Any]]) -> None:
+        for obj, state in saved:
+            if isinstance(obj, LRScheduler):
+                obj.load_state_dict(state)
+            else:
+                for group, hyper in zip(obj.param_groups, state, strict=True):
+                    group.update(hyper)
+
+    def _guard(self, obj: torch.optim.Optimizer) -> None:
+        """Make the optimizer's ``step`` do nothing while the step in flight has failed
+        (an instance attribute: not part of its ``state_dict``)."""
+        original = obj.step
+        if getattr(original, "_phalanx_guarded", False):
+            return
+
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if self._failed is not None:
+                return None
+            return original(*args, **kwargs)
+
+        step._phalanx_guarded = True  # type: ignore[attr-defined]
+        obj.step = step  # type: ignore[method-assign]
+
+    # -- DDP's buckets --------------------------------------------------------------------
+    def _fail(self, err: CommError) -> None:
+        if self._failed is None:
+            self._failed = err
+
+    def _record_bucket(self, bucket: dist.GradBucket) -> None:
+        self._buckets[bucket.index()] = [self._param_index[id(p)] for p in bucket.parameters()]
+        self._reducer_used = True
+        if bucket.is_last():
+            assert self._ddp is not None
+            if self._ddp._has_rebuilt_buckets:  # DDP's final layout (or one this rank was given)
+                self._layout = [self._buckets[i] for i in sorted(self._buckets)]
+            self._buckets = {}
+
+    def _remake_reducer(self, layout: Layout | None) -> None:
+        """A new reducer for the DDP model: DDP's first-iteration one, or ``layout``."""
+        ddp = self._ddp
+        assert ddp is not None
+        params, sparse = ddp._build_params_for_reducer()
+        names = ddp._build_debug_param_to_name_mapping(params)
+        with _bucket_assignment(layout, ddp.bucket_bytes_cap):
+            ddp._ddp_init_helper(params, sparse, names, ddp.static_graph)
+        if ddp.static_graph:
+            ddp.reducer._set_static_graph()
+            ddp.logger._set_static_graph()  # type: ignore[union-attr]
+        dist._register_comm_hook(ddp.reducer, self, _bucket_hook)
+        self._layout, self._reducer_used, self._buckets = layout, False, {}
+        self.log.info("ddp_buckets_remade", buckets=None if layout is None else len(layout))
+
+
+@contextmanager
+def _bucket_assignment(layout: Layout | None, cap: int) -> Iterator[None]:
+    """Within: DDP's bucket assignment returns ``layout`` (DDP reverses what it gets)."""
+    if layout is None:
+        yield
+        return
+    fixed = ([list(b) for b in reversed(layout)], [cap] * len(layout))
+    with mock.patch.object(dist, "_compute_bucket_assignment_by_size", lambda *a, **k: fixed):
+        yield
+
+
+def _layout_of(raw: Any, nparams: int) -> Layout | None:
+    """A peer's layout, checked: every parameter index exactly once."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(b, list) for b in raw):
+        raise RecoveryError("the peer's DDP bucket layout is not a list of lists")
+    flat = sorted(i for b in raw for i in b)
+    if flat != list(range(nparams)):
+        raise RecoveryError(f"the peer's DDP bucket layout does not cover this model's {nparams} parameters")
+    return [[int(i) for i in b] for b in raw]
+
+
+def _bucket_hook(loop: UserLoop, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's comm hook: all-reduce this bucket over the current generation."""
+    buf = bucket.buffer()
+    session = loop.session
+    if not loop._in_step or session is None:
+        raise RuntimeError(
+            "backward of a job.ddp() model outside job.steps(): its gradients cannot be reduced"
+        )
+    loop._record_bucket(bucket)
+    job = loop.job
+    bound = session.collective_bound_s()
+    if not loop._hooked:  # the first bucket of the step: where faults are injected
+        loop._hooked = True
+        if job.faults.fire(
+            job.worker, "step", session.step, enter_collective=lambda: session.enter_collective(bound)
+        ):
+            if session.comm is not None:
+                session.comm.destroy()
+            loop._fail(CommError(f"injected: {job.worker} broke its communicator in step {session.step}"))
+    if bucket.is_last():
+        session.enter_collective(bound)
+    comm = session.comm
+    if loop._failed is not None or comm is None:
+        return _done(buf)
+    world = session.world_size
+    if world > 1:
+        buf.mul_(1.0 / world)  # what DDP's own reduction does before its SUM
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+    opts.timeout = timedelta(seconds=bound)
+    start = time.perf_counter()
+    try:
+        work = comm.pg.allreduce([buf], opts)
+    except Exception as exc:  # the group was destroyed under us, or gloo refused at once
+        loop._fail(CommError(f"allreduce on {comm.prefix} failed: {exc}"))
+        return _done(buf)
+
+    def settle(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        try:
+            fut.value()
+            session.record_collective((time.perf_counter() - start) * 1000.0)
+        except Exception as exc:  # never raise into DDP: the step is redone instead
+            loop._fail(CommError(f"allreduce on {comm.prefix} failed: {exc}"[:2000]))
+        return buf
+
+    return work.get_future().then(settle)
+
+
+# DDP checks a hook's annotations as objects; this module's are strings (PEP 563).
+_bucket_hook.__annotations__.update(
+    {"loop": UserLoop, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+)
+
+
+def _done(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(t)
+    return fut
+
+
+__all__ = ["UserLoop", "rng_state", "set_rng_state"]
