@@ -9,8 +9,9 @@ A comma-separated list of ``action:worker@point``:
   nobody dies; only at ``step=N``), ``wedge`` (the training thread enters phase
   COLLECTIVE and blocks forever, as a rank hung inside the all-reduce whose
   heartbeats go on: its peers' per-op timeouts fire; only at ``step=N``);
-- points: ``step=N`` (in step N, after the backward pass and before the
-  gradient all-reduce, so peers are left blocked in the collective) or
+- points: ``step=N`` (in step N, before the gradient all-reduce, so peers are
+  left blocked in the collective: after the backward pass under the Trainer, as
+  DDP hands over its first gradient bucket in the user's own loop) or
   ``recovery=G`` (as the worker starts building generation G's communicator).
 
 >>> FaultPlan.parse("kill:w2@step=5,stop:w1@recovery=2")

@@ -126,6 +126,11 @@ class UserLoop:
         # this rank was given), and whether the reducer has run a backward since made.
         self._layout: Layout | None = None
         self._reducer_used = False
+        self._recording = True
+        # Per step, for the hook (_prepare_step).
+        self._bound = 0.0
+        self._opts = dist.AllreduceOptions()
+        self._scale = 1.0
         self._source_layout: Layout | None = None
         # Data: the loader, its iterator and the step's batch.
         self._sampler: ElasticSampler | None = None
@@ -198,7 +203,7 @@ class UserLoop:
                     continue
                 batch = self._batch()
                 t0, wall0 = time.perf_counter(), time.time()
-                self._failed, self._hooked, self._in_step = None, False, True
+                self._prepare_step(session)
                 saved = self._snapshot()
                 self.job.status.enter(Phase.COMPUTE)
                 try:
@@ -283,7 +288,12 @@ class UserLoop:
             if self._it is None or self._it_at != where:
                 # An iterator serves only the position right after its last batch.
                 sampler.place(epoch=sampler.epoch, offset=sampler.offset, world=world, rank=rank)
-                self._it = iter(loader)
+                if sampler.offset == 0:
+                    self._it = iter(loader)  # an epoch begins: it draws its seed, as under torchrun
+                else:  # placed mid-epoch: the draw the epoch's start made is in the RNG state already
+                    rng = torch.get_rng_state()
+                    self._it = iter(loader)
+                    torch.set_rng_state(rng)
             try:
                 batch = next(self._it)
                 break
@@ -294,7 +304,7 @@ class UserLoop:
             raise RuntimeError(
                 f"the DataLoader yields nothing in epoch {sampler.epoch} at world size {world}"
             )
-        self._it_at = (sampler.epoch, sampler.offset + batch_size * world, world, rank)
+        self._it_at = (sampler.epoch, min(sampler.size, sampler.offset + batch_size * world), world, rank)
         self._rng_after = rng_state()
         self._held = (key, batch)
         return batch
@@ -369,13 +379,36 @@ class UserLoop:
             self._failed = err
 
     def _record_bucket(self, bucket: dist.GradBucket) -> None:
+        """Note which parameters each bucket holds, until one whole iteration after
+        DDP's rebuild (or with a layout this rank was given) has been seen."""
         self._buckets[bucket.index()] = [self._param_index[id(p)] for p in bucket.parameters()]
-        self._reducer_used = True
         if bucket.is_last():
             assert self._ddp is not None
             if self._ddp._has_rebuilt_buckets:  # DDP's final layout (or one this rank was given)
                 self._layout = [self._buckets[i] for i in sorted(self._buckets)]
+                self._recording = False
             self._buckets = {}
+
+    def _prepare_step(self, session: Session) -> None:
+        """What the hook needs, once per step: the bound, the op's options, the scale."""
+        self._failed, self._hooked, self._in_step = None, False, True
+        self._bound = bound = session.collective_bound_s()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stubs mix the two
+        opts.timeout = timedelta(seconds=bound)
+        self._opts = opts
+        self._scale = 1.0 / session.world_size
+
+    def _first_bucket(self, session: Session) -> None:
+        """The first bucket of a step: where ``PHALANX_FAULTS`` strike (``step=N``)."""
+        self._hooked = True
+        job = self.job
+        if job.faults.fire(
+            job.worker, "step", session.step, enter_collective=lambda: session.enter_collective(self._bound)
+        ):
+            if session.comm is not None:
+                session.comm.destroy()
+            self._fail(CommError(f"injected: {job.worker} broke its communicator in step {session.step}"))
 
     def _remake_reducer(self, layout: Layout | None) -> None:
         """A new reducer for the DDP model: DDP's first-iteration one, or ``layout``."""
@@ -389,7 +422,7 @@ class UserLoop:
             ddp.reducer._set_static_graph()
             ddp.logger._set_static_graph()  # type: ignore[union-attr]
         dist._register_comm_hook(ddp.reducer, self, _bucket_hook)
-        self._layout, self._reducer_used, self._buckets = layout, False, {}
+        self._layout, self._reducer_used, self._buckets, self._recording = layout, False, {}, True
         self.log.info("ddp_buckets_remade", buckets=None if layout is None else len(layout))
 
 
@@ -417,38 +450,29 @@ def _layout_of(raw: Any, nparams: int) -> Layout | None:
 
 
 def _bucket_hook(loop: UserLoop, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's comm hook: all-reduce this bucket over the current generation."""
+    """DDP's comm hook: all-reduce this bucket over the current generation (what it
+    needs per step was prepared by :meth:`UserLoop._prepare_step`)."""
     buf = bucket.buffer()
     session = loop.session
     if not loop._in_step or session is None:
         raise RuntimeError(
             "backward of a job.ddp() model outside job.steps(): its gradients cannot be reduced"
         )
-    loop._record_bucket(bucket)
-    job = loop.job
-    bound = session.collective_bound_s()
-    if not loop._hooked:  # the first bucket of the step: where faults are injected
-        loop._hooked = True
-        if job.faults.fire(
-            job.worker, "step", session.step, enter_collective=lambda: session.enter_collective(bound)
-        ):
-            if session.comm is not None:
-                session.comm.destroy()
-            loop._fail(CommError(f"injected: {job.worker} broke its communicator in step {session.step}"))
+    loop._reducer_used = True
+    if loop._recording:
+        loop._record_bucket(bucket)
+    if not loop._hooked:
+        loop._first_bucket(session)
     if bucket.is_last():
-        session.enter_collective(bound)
+        session.enter_collective(loop._bound)
     comm = session.comm
     if loop._failed is not None or comm is None:
         return _done(buf)
-    world = session.world_size
-    if world > 1:
-        buf.mul_(1.0 / world)  # what DDP's own reduction does before its SUM
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
-    opts.timeout = timedelta(seconds=bound)
+    if loop._scale != 1.0:
+        buf.mul_(loop._scale)  # what DDP's own reduction does before its SUM
     start = time.perf_counter()
     try:
-        work = comm.pg.allreduce([buf], opts)
+        work = comm.pg.allreduce([buf], loop._opts)
     except Exception as exc:  # the group was destroyed under us, or gloo refused at once
         loop._fail(CommError(f"allreduce on {comm.prefix} failed: {exc}"))
         return _done(buf)
