@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -95,7 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         if log is not None and trainer.rank == 0:
             log.write(
                 json.dumps(
-                    {"step": step, "ms": step_ms, "worker": job.worker, "generation": trainer.generation}
+                    {
+                        "step": step,
+                        "ms": step_ms,
+                        "worker": job.worker,
+                        "generation": trainer.generation,
+                        "ts": time.time(),
+                    }
                 )
                 + "\n"
             )

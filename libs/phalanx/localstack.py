@@ -365,7 +365,7 @@ class LocalStack:
             while any(p.poll() is None for p in procs.values()):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"job {job} did not end within {timeout_s:g}s")
-                done = _last_step(steps_log) if steps_log is not None and todo else -1
+                done = last_logged_step(steps_log) if steps_log is not None and todo else -1
                 while todo and done >= todo[0][0]:
                     result.actions_at.append(time.time())
                     todo.pop(0)[1](result)
@@ -389,7 +389,7 @@ class LocalStack:
         return result
 
 
-def _last_step(path: Path) -> int:
+def last_logged_step(path: Path) -> int:
     """The highest step rank 0 logged so far (-1 before the first)."""
     try:
         lines = path.read_text().splitlines()

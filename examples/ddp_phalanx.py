@@ -1,0 +1,53 @@
+"""examples/ddp_plain.py ported to Phalanx: the same loop, DDP, DataLoader, AdamW,
+one-cycle LR schedule and gradient clipping, now surviving lost ranks in place.
+
+    phalanx run --nproc 3 --spares 1 -- python -m examples.ddp_phalanx --steps 60 --save port.pt
+
+``diff examples/ddp_plain.py examples/ddp_phalanx.py`` shows the port: ``init()``
+instead of ``init_process_group``, ``job.ddp`` instead of ``DDP``, an
+``ElasticSampler`` instead of ``DistributedSampler``, ``job.track`` (what moves to
+a joiner) and ``job.steps`` as the loop header; ranks come from ``job.rank``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from examples.mlp import MLP, StepLog, local_device, parse_args, regression_data, save_weights
+from phalanx.runtime import ElasticSampler, init
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv, __doc__)
+    torch.set_num_threads(1)
+    job = init()
+    device = local_device()
+    torch.manual_seed(args.seed)
+    model = job.ddp(MLP(hidden=args.hidden, depth=args.depth, dropout=args.dropout).to(device))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=max(args.steps, 1))
+    data = regression_data(args.samples, seed=args.seed)
+    sampler = ElasticSampler(data, seed=args.seed)
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+    log = StepLog(args.steps_log)
+    job.track(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
+    for step, (x, y) in job.steps(loader, args.steps):
+        x, y = x.to(device), y.to(device)
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        opt.step()
+        sched.step()
+        log.step(step, loss, job.rank)
+    if job.rank == 0:
+        save_weights(model.module, args.save)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

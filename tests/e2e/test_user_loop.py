@@ -1,0 +1,165 @@
+"""The user's own loop under Phalanx (phalanx.runtime.loop), end to end: real
+processes, real gloo, a real nats-server and the real services.
+
+The port (examples/ddp_phalanx.py, and tests/workers/user_loop_worker.py, which
+trains the same way and dumps each rank's end state) keeps its DDP model,
+DataLoader, AdamW, one-cycle LR schedule and gradient clipping. Fault-free it
+must give the plain torchrun script's weights bit for bit; with faults, its own
+fault-free run's, with the joiner's optimizer, scheduler and sampler in step
+with the ranks it joined.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench.baseline.torchrun import plain_ddp_args, run_torchrun
+from phalanx.localstack import JobResult, LocalStack
+from phalanx.schemas import Action, FaultCause, RankHung
+from tests.e2e.test_recovery import actions, assert_bitwise_equal, assert_recovered
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+# 3 ranks: 11 steps an epoch, so one epoch boundary; dropout, so every rank's RNG
+# stream must be where the plain script's is, step after step, also on a joiner.
+SIZE = ["--batch-size", "16", "--samples", "512", "--dropout", "0.1"]
+WORKER = [sys.executable, "-m", "tests.workers.user_loop_worker", *SIZE]
+
+Run = Callable[..., tuple[JobResult, dict[str, torch.Tensor] | None, dict[str, dict[str, Any]]]]
+
+
+@pytest.fixture(scope="module")
+def run(stack: LocalStack, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    out = tmp_path_factory.mktemp("userloop")
+    counter = itertools.count()
+
+    def go(
+        *,
+        nproc: int = 3,
+        spares: int = 0,
+        faults: str = "",
+        extra: tuple[str, ...] = (),
+        cmd: list[str] | None = None,
+    ) -> tuple[JobResult, dict[str, torch.Tensor] | None, dict[str, dict[str, Any]]]:
+        job = f"ul{next(counter)}"
+        save, dump = out / f"{job}.pt", out / job
+        dump.mkdir()
+        base = cmd or [*WORKER, "--dump", str(dump)]
+        full = [*base, "--steps", str(STEPS), "--save", str(save), *extra]
+        result = stack.run_job(
+            job, full, nproc=nproc, spares=spares, faults=faults, global_batch=16 * nproc, timeout_s=180
+        )
+        weights = torch.load(save) if save.exists() else None
+        dumps = {p.stem: torch.load(p, weights_only=False) for p in dump.glob("*.pt")}
+        return result, weights, dumps
+
+    return go
+
+
+@pytest.fixture(scope="module")
+def reference(run: Run) -> dict[str, torch.Tensor]:
+    result, weights, _ = run()
+    assert result.returncode == 0, result.decisions
+    assert weights is not None
+    return weights
+
+
+def test_port_matches_plain_torchrun_bitwise(
+    run: Run, reference: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    plain = tmp_path / "plain.pt"
+    run_torchrun(3, "examples.ddp_plain", plain_ddp_args(STEPS, *SIZE, save=plain), output=tmp_path / "out")
+    port, weights, _ = run(cmd=[sys.executable, "-m", "examples.ddp_phalanx", *SIZE])
+    assert port.returncode == 0, port.decisions
+    assert_bitwise_equal(weights, torch.load(plain))
+    assert_bitwise_equal(reference, torch.load(plain))  # the test worker trains as the port does
+
+
+def assert_joiner_in_step(dumps: dict[str, dict[str, Any]], joiners: list[str]) -> None:
+    """Every member ends with the same weights, optimizer, scheduler and sampler state."""
+    members = sorted(dumps, key=lambda w: dumps[w]["rank"])
+    assert set(joiners) <= set(members), members
+    first = dumps[members[0]]
+    for w in members[1:]:
+        d = dumps[w]
+        assert d["steps"] == first["steps"] == STEPS
+        assert_bitwise_equal(d["model"], first["model"])
+        assert d["scheduler"] == first["scheduler"], w
+        assert d["sampler"] == first["sampler"], w
+        mine, theirs = d["optimizer"]["state"], first["optimizer"]["state"]
+        assert mine.keys() == theirs.keys()
+        for k in mine:
+            assert all(torch.equal(mine[k][n], theirs[k][n]) for n in mine[k]), (w, k)
+
+
+def test_sigkill(run: Run, reference: dict[str, torch.Tensor]) -> None:
+    result, weights, dumps = run(spares=1, faults="kill:w1@step=5")
+    assert actions(result) == [Action.START, Action.REPLACE]
+    assert [f.cause for f in result.faults] == [FaultCause.PROCESS_EXIT]
+    assert_recovered(result, generation=2)
+    assert next(r for r in result.recoveries if r.worker == "w3").step == 6  # step 5 redone
+    assert_bitwise_equal(weights, reference)
+    assert_joiner_in_step(dumps, ["w3"])  # the scheduler's and the sampler's state moved
+
+
+def test_sigstop(run: Run, reference: dict[str, torch.Tensor]) -> None:
+    result, weights, dumps = run(spares=1, faults="stop:w1@step=4")
+    assert [f.cause for f in result.faults if isinstance(f, RankHung)] == [FaultCause.HEARTBEAT_LOST]
+    assert actions(result) == [Action.START, Action.REPLACE]
+    assert_recovered(result, generation=2)
+    assert_bitwise_equal(weights, reference)
+    assert_joiner_in_step(dumps, ["w3"])
+
+
+def test_kill_during_recovery(run: Run, reference: dict[str, torch.Tensor]) -> None:
+    result, weights, dumps = run(spares=2, faults="kill:w1@step=5,kill:w2@recovery=2")
+    assert actions(result) == [Action.START, Action.REPLACE, Action.REPLACE]
+    assert result.plans[-1].generation == 3
+    assert_recovered(result, generation=3)
+    assert_bitwise_equal(weights, reference)
+    assert_joiner_in_step(dumps, ["w3", "w4"])
+
+
+def test_two_kills_at_once(run: Run, reference: dict[str, torch.Tensor]) -> None:
+    result, weights, dumps = run(spares=2, faults="kill:w0@step=7,kill:w2@step=7")
+    assert sorted(f.worker for f in result.faults) == ["w0", "w2"]
+    assert {m.worker for m in result.plans[-1].members} == {"w1", "w3", "w4"}
+    assert_recovered(result, generation=result.plans[-1].generation)
+    assert_bitwise_equal(weights, reference)
+    assert_joiner_in_step(dumps, ["w3", "w4"])
+
+
+@pytest.mark.parametrize("step", [0, 1], ids=["first-step", "second-step"])
+def test_fault_in_the_first_steps(run: Run, reference: dict[str, torch.Tensor], step: int) -> None:
+    # DDP rebuilds its buckets after the first iteration: the joiner must use
+    # the bucket layout its peers use, before and after the rebuild.
+    result, weights, dumps = run(spares=1, faults=f"kill:w1@step={step}")
+    assert_recovered(result, generation=2)
+    assert_bitwise_equal(weights, reference)
+    assert_joiner_in_step(dumps, ["w3"])
+
+
+def test_script_that_registers_nothing_recovers_model_and_optimizer(
+    run: Run, reference: dict[str, torch.Tensor]
+) -> None:
+    result, weights, dumps = run(spares=1, faults="kill:w2@step=6", extra=("--no-track",))
+    assert_recovered(result, generation=2)
+    assert_bitwise_equal(weights, reference)
+    assert_joiner_in_step(dumps, ["w3"])
+
+
+def test_broken_communicator_with_every_rank_alive_reforms(
+    run: Run, reference: dict[str, torch.Tensor]
+) -> None:
+    result, weights, _ = run(faults="break:w1@step=5")
+    assert result.returncode == 0, result.decisions
+    assert Action.REFORM in actions(result)
+    assert_bitwise_equal(weights, reference)

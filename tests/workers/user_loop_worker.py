@@ -1,0 +1,81 @@
+"""The DDP example port (examples/ddp_phalanx.py) with what tests need to look inside.
+
+Trains examples.mlp's MLP with the user-loop API exactly as the port does, then
+writes this worker's end state to ``--dump DIR/<worker>.pt``: the model's
+weights, the optimizer's and the LR scheduler's state_dicts, the sampler's
+position and the step count, so a test can compare a joiner with the ranks it
+joined. ``--no-track`` registers nothing (the runtime finds model, optimizer and
+scheduler itself); ``--no-scheduler`` trains without an LR scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from examples.mlp import MLP, local_device, regression_data, save_weights
+from phalanx.runtime import ElasticSampler, init
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--samples", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--save")
+    p.add_argument("--dump")
+    p.add_argument("--no-track", action="store_true")
+    p.add_argument("--no-scheduler", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    job = init()
+    device = local_device()
+    torch.manual_seed(0)
+    model = job.ddp(MLP(hidden=args.hidden, depth=args.depth, dropout=args.dropout).to(device))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = None
+    if not args.no_scheduler:
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=max(args.steps, 1))
+    data = regression_data(args.samples)
+    sampler = ElasticSampler(data, seed=0)
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+    if not args.no_track:
+        job.track(model=model, optimizer=opt, sampler=sampler, **({"scheduler": sched} if sched else {}))
+    done = 0
+    for step, (x, y) in job.steps(loader, args.steps):
+        loss = F.mse_loss(model(x.to(device)), y.to(device))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        done = step + 1
+    if job.rank == 0:
+        save_weights(model.module, args.save)
+    if args.dump and job.rank >= 0:
+        out = Path(args.dump) / f"{job.worker}.pt"
+        state = {
+            "rank": job.rank,
+            "steps": done,
+            "model": {k: v.detach().cpu() for k, v in model.module.state_dict().items()},
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict() if sched is not None else None,
+            "sampler": sampler.state_dict(),
+        }
+        torch.save(state, f"{out}.tmp")
+        os.replace(f"{out}.tmp", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
