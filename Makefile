@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: venv test test-fast demo bench-detect bench-recovery bench-failover proto proto-check lint typecheck clean corpus
+.PHONY: venv test test-fast demo bench-detect bench-recovery bench-user-loop bench-failover proto proto-check lint typecheck clean corpus
 
 venv: $(STAMP)
 
@@ -30,6 +30,9 @@ bench-detect: venv
 
 bench-recovery: venv
 	$(PY) -m bench.recovery
+
+bench-user-loop: venv
+	$(PY) -m bench.recovery --loop user --nproc 3
 
 bench-failover: venv
 	$(PY) -m bench.failover

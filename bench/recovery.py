@@ -45,6 +45,18 @@ measures the loss of a whole node, at least 5 trials each side:
 
 Neither side loses the node hosting its rendezvous, so both see the same fault.
 ``node_loss_downtime_s`` is fault -> first step completed after recovery.
+With ``--loop user`` the same comparison runs on the user's own loop: the
+Phalanx side is examples/ddp_phalanx.py (DDP, DataLoader, AdamW, a one-cycle
+schedule, gradient clipping; ``phalanx.runtime.loop``), the reference its plain
+torchrun script examples/ddp_plain.py, for the steady step time
+(``steady_overhead_pct``, three interleaved pairs) and for the restart (torchrun
+restarts every worker and the plain script, having no checkpoint, starts over).
+On this 2-core machine the ranks share the cores with the nats-server, the
+services and the launcher, whose CPU share is reported
+(``control_plane_cpu_pct_of_machine``); the pair is also run with heartbeats every
+second instead of 100 ms (``steady_overhead_heartbeat_1s_pct``), which leaves the
+rank-side cost of the port.
+
 Prints one JSON line last.
 """
 
@@ -61,15 +73,18 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.baseline.plain_ddp import measure_step_time
 from bench.baseline.run import run_trial
+from bench.baseline.torchrun import plain_ddp_args, run_torchrun, torchrun
 from examples.corpus import DEFAULT_OUT, build_corpus
 from examples.gpt import GPT
+from examples.mlp import MLP
 from examples.train_gpt import command as train_command
-from phalanx.localstack import JobResult, LocalStack
+from phalanx.localstack import JobResult, LocalStack, last_logged_step
 from phalanx.netns import NetnsCluster
 from phalanx.tracesummary import PHASES, _from_file, incidents
 
@@ -119,6 +134,19 @@ def step_fractions(trials: int, seed: int = 7) -> list[float]:
     return fracs
 
 
+Command = Callable[[int, Path], list[str]]
+"""(steps, steps_log) -> the training command a trial runs."""
+
+
+def gpt_command(corpus: Path) -> Command:
+    return lambda steps, log: train_command(steps, corpus, steps_log=log)
+
+
+def port_command(steps: int, log: Path) -> list[str]:
+    """examples/ddp_phalanx.py, the user-loop port of examples/ddp_plain.py."""
+    return [sys.executable, "-m", "examples.ddp_phalanx", *plain_ddp_args(steps, steps_log=log)]
+
+
 def phalanx_trial(
     stack: LocalStack,
     work: Path,
@@ -127,7 +155,7 @@ def phalanx_trial(
     nproc: int,
     steps: int,
     step: int,
-    corpus: Path,
+    command: Command,
     fraction: float,
 ) -> dict[str, Any]:
     """One fault, from outside: ``phalanx run`` (the public CLI) trains with ``nproc``
@@ -136,7 +164,7 @@ def phalanx_trial(
     job = f"bench{i}-{int(time.time())}"
     steps_log = work / f"{job}.steps"
     victim = f"w{1 + i % (nproc - 1)}"
-    cmd = train_command(steps, corpus, steps_log=steps_log)
+    cmd = command(steps, steps_log)
     fault: dict[str, float] = {}
     timers: list[threading.Timer] = []
 
@@ -162,8 +190,10 @@ def phalanx_trial(
     first = [r for r in result.recoveries if r.generation == gen]
     downtime = max(r.ts for r in first) - fault_ts
     log = _read_jsonl(steps_log)
-    before = max((e["step"] for e in log if e["generation"] < gen), default=0)
-    resumed = min(e["step"] for e in log if e["generation"] == gen)
+    # Steps done before the fault, against the first step done after recovery (whose
+    # count is the recovery's step): lost = done before - (that step - 1).
+    before = max((e["step"] for e in log if e.get("ts", 0.0) < fault_ts), default=0)
+    resumed = min(r.step for r in first)
     incident = result.faults[0].incident
     inc = None
     for _ in range(20):  # the services export spans every 200 ms
@@ -197,15 +227,120 @@ def phalanx_trial(
 
 
 def phalanx_steady(
-    stack: LocalStack, work: Path, *, nproc: int, steps: int, corpus: Path, warmup: int = 3
+    stack: LocalStack, work: Path, *, nproc: int, steps: int, command: Command, warmup: int = 3
 ) -> list[float]:
     job = f"steady-{int(time.time() * 1000)}"
     steps_log = work / f"{job}.steps"
-    cmd = train_command(steps, corpus, steps_log=steps_log)
+    cmd = command(steps, steps_log)
     result = stack.run_job(job, cmd, nproc=nproc)
     if result.returncode != 0:
         raise RuntimeError(f"steady run failed: {result.decisions}")
     return [e["ms"] / 1000.0 for e in _read_jsonl(steps_log)][warmup:]
+
+
+def plain_steady(work: Path, *, nproc: int, steps: int, warmup: int = 3) -> list[float]:
+    """Step times of examples/ddp_plain.py under torchrun (no Phalanx)."""
+    log = work / f"plain-{int(time.time() * 1000)}.steps"
+    run_torchrun(
+        nproc, "examples.ddp_plain", plain_ddp_args(steps, steps_log=log), output=log.with_suffix(".out")
+    )
+    return [e["ms"] / 1000.0 for e in _read_jsonl(log)][warmup:]
+
+
+class ControlPlaneCpu:
+    """CPU time the control plane takes while a job trains on this machine: the
+    nats-server, the services and this process (which hosts the job's launcher)."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self.wall_s = 0.0
+
+    @staticmethod
+    def _sample() -> float:
+        total = 0.0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                cmd = (entry / "cmdline").read_bytes()
+                if b"nats-server" in cmd or b"phalanx.services" in cmd or int(entry.name) == os.getpid():
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                    total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        c0, t0 = self._sample(), time.monotonic()
+        try:
+            yield
+        finally:
+            self.cpu_s += self._sample() - c0
+            self.wall_s += time.monotonic() - t0
+
+    def pct_of_machine(self) -> float:
+        return round(100.0 * self.cpu_s / max(self.wall_s, 1e-9) / (os.cpu_count() or 1), 2)
+
+
+def quiet_control_plane_overhead(work: Path, *, nproc: int, steps: int) -> dict[str, Any]:
+    """Steady overhead with heartbeats every second instead of 100 ms (services,
+    launcher and ranks alike): what is left is the rank-side cost of the port."""
+    plain: list[float] = []
+    port: list[float] = []
+    env = {"PHALANX_HEARTBEAT_MS": "1000"}
+    with LocalStack(work / "quiet", services=("failure-detector", "elasticity-planner"), env=env) as stack:
+        for _ in range(2):
+            plain += plain_steady(work, nproc=nproc, steps=steps)
+            port += phalanx_steady(stack, work, nproc=nproc, steps=steps, command=port_command)
+    return {
+        "steady_overhead_heartbeat_1s_pct": round(
+            (statistics.median(port) / statistics.median(plain) - 1) * 100, 2
+        ),
+    }
+
+
+def find_torchrun_worker(rank: int, module: str) -> int:
+    """The pid of torchrun's worker ``rank`` running ``-m module``."""
+    want = f"RANK={rank}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            if module.encode() in cmd and want in (entry / "environ").read_bytes().split(b"\0"):
+                return int(entry.name)
+    raise LookupError(f"no torchrun worker of rank {rank} running {module}")
+
+
+def plain_restart_trial(work: Path, i: int, *, nproc: int, steps: int, step: int) -> dict[str, Any]:
+    """The plain script's answer to the same fault: torchrun ``--max-restarts 1``
+    restarts every worker, and a script without checkpoints starts over from step 0.
+    Rank ``1 + i % (nproc - 1)`` is SIGKILLed from outside once rank 0 logged ``step``."""
+    log, out = work / f"restart{i}.steps", work / f"restart{i}.out"
+    proc = torchrun(
+        nproc, "examples.ddp_plain", plain_ddp_args(steps, steps_log=log), output=out, max_restarts=1
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while last_logged_step(log) < step:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"plain run {i} ended before step {step}: {out.read_text()[-2000:]}")
+            time.sleep(0.005)
+        victim = find_torchrun_worker(1 + i % (nproc - 1), "examples.ddp_plain")
+        fault_ts = time.time()
+        os.kill(victim, signal.SIGKILL)
+        if proc.wait(600) != 0:
+            raise RuntimeError(f"plain run {i} failed after the restart: {out.read_text()[-2000:]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    entries = _read_jsonl(log)
+    before = max(e["step"] for e in entries if e["ts"] < fault_ts)
+    after = [e for e in entries if e["ts"] > fault_ts]
+    return {
+        "downtime_s": round(after[0]["ts"] - fault_ts, 4),
+        "lost_steps": before - (after[0]["step"] - 1),
+        "fault_step": step,
+    }
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -301,11 +436,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--node-trials", type=int, default=5)
     ap.add_argument("--node-steps", type=int, default=30)
     ap.add_argument("--skip-single", action="store_true", help="with --nodes: only the node-loss part")
+    ap.add_argument(
+        "--loop",
+        choices=("trainer", "user"),
+        default="trainer",
+        help="trainer: the GPT on phalanx's Trainer vs torchrun + DCP restarts; user: the user-loop "
+        "port examples/ddp_phalanx.py vs its plain torchrun script examples/ddp_plain.py",
+    )
     args = ap.parse_args(argv)
     if args.nodes == 1 or args.nodes < 0:
         ap.error("--nodes must be >= 2")
+    if args.loop == "user" and args.nodes:
+        ap.error("--nodes measures the Trainer path; run it without --loop user")
     if args.quick:
         args.trials, args.steps, args.steady_steps = 1, 30, 15
+    if args.loop == "user":  # an MLP step takes milliseconds, a GPT step a quarter second
+        args.steady_steps *= 10
     if args.trials < 1:
         ap.error("--trials must be >= 1")
     baseline_trials = min(args.trials, 5) if args.baseline_trials is None else args.baseline_trials
@@ -326,27 +472,42 @@ def main(argv: list[str] | None = None) -> int:
     rs: list[dict[str, Any]] = []
     px_steady: list[float] = []
     ddp_steady: list[float] = []
+    user = args.loop == "user"
+    command = port_command if user else gpt_command(corpus)
+    quiet: dict[str, Any] = {}
+    if user:  # the same pair with the control plane at a tenth of its heartbeat traffic
+        quiet = quiet_control_plane_overhead(work, nproc=args.nproc, steps=args.steady_steps)
+    cpu = ControlPlaneCpu()
     with LocalStack(work / "stack", services=("failure-detector", "elasticity-planner")) as stack:
-        for _ in range(2):  # interleaved, so machine noise hits both alike
-            ddp_steady += measure_step_time(args.nproc, args.steady_steps, 3, data=corpus)["step_s"][3:]
-            px_steady += phalanx_steady(stack, work, nproc=args.nproc, steps=args.steady_steps, corpus=corpus)
+        for _ in range(3 if user else 2):  # interleaved, so machine noise hits both alike
+            if user:
+                ddp_steady += plain_steady(work, nproc=args.nproc, steps=args.steady_steps)
+            else:
+                ddp_steady += measure_step_time(args.nproc, args.steady_steps, 3, data=corpus)["step_s"][3:]
+            with cpu.measure():
+                px_steady += phalanx_steady(
+                    stack, work, nproc=args.nproc, steps=args.steady_steps, command=command
+                )
         for i, (k, frac) in enumerate(zip(ks, fracs, strict=True)):
             px.append(
                 phalanx_trial(
-                    stack, work, i, nproc=args.nproc, steps=args.steps, step=k, corpus=corpus, fraction=frac
+                    stack, work, i, nproc=args.nproc, steps=args.steps, step=k, command=command, fraction=frac
                 )
             )
             print(json.dumps({"phalanx_trial": i, **px[-1]}), flush=True)
     for i, k in enumerate(ks[:baseline_trials]):
-        r = run_trial(
-            work / f"restart{i}",
-            nproc=args.nproc,
-            steps=args.steps,
-            kill_at_step=k,
-            kill_rank=1 + i % (args.nproc - 1),
-            ckpt_every=10,
-            data=corpus,
-        )
+        if user:
+            r = plain_restart_trial(work, i, nproc=args.nproc, steps=args.steps, step=k)
+        else:
+            r = run_trial(
+                work / f"restart{i}",
+                nproc=args.nproc,
+                steps=args.steps,
+                kill_at_step=k,
+                kill_rank=1 + i % (args.nproc - 1),
+                ckpt_every=10,
+                data=corpus,
+            )
         rs.append(r)
         print(
             json.dumps(
@@ -359,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     rs_down = statistics.median(t["downtime_s"] for t in rs) if rs else None
     px_step, ddp_step = statistics.median(px_steady), statistics.median(ddp_steady)
     out = {
+        "loop": args.loop,
         "phalanx_downtime_s": down["median"],
         "phalanx_downtime_p90_s": down["p90"],
         "phalanx_downtime_max_s": down["max"],
@@ -371,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
         "verdict_to_plan_ms": _stats(gaps) if gaps else None,
         "phalanx_detect_ms": round(statistics.median(t["detect_ms"] for t in px), 1),
         "steady_overhead_pct": round((px_step / ddp_step - 1.0) * 100.0, 2),
+        "control_plane_cpu_pct_of_machine": cpu.pct_of_machine(),
+        **quiet,
         "phalanx_step_s": round(px_step, 4),
         "ddp_step_s": round(ddp_step, 4),
         "fault_steps": ks,
@@ -379,7 +543,10 @@ def main(argv: list[str] | None = None) -> int:
         "restart_trials": len(rs),
         "nproc": args.nproc,
         "spares": 1,
-        "model_params": GPT().num_params(),
+        "model_params": sum(p.numel() for p in MLP().parameters()) if user else GPT().num_params(),
+        "restart_baseline": "torchrun --max-restarts 1, the plain script (no checkpoint: starts over)"
+        if user
+        else "torchrun --max-restarts 3, plain DDP + DCP checkpoint every 10 steps",
         **nodes,
     }
     print(json.dumps(out), flush=True)
