@@ -25,24 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.baseline.torchrun import REPO, torchrun_command, torchrun_env
 from examples.corpus import DEFAULT_OUT, build_corpus
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "baseline" / "train_ddp.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:
@@ -144,27 +136,14 @@ def run_trial(
     if data is None:
         data = REPO / DEFAULT_OUT
         build_corpus(Path(data))  # idempotent
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        str(max_restarts),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        str(SCRIPT),
-        *script_args(data, steps, global_batch, seq_len, seed, ckpt, ckpt_every, log),
-    ]
+    cmd = torchrun_command(
+        nproc,
+        [str(SCRIPT), *script_args(data, steps, global_batch, seq_len, seed, ckpt, ckpt_every, log)],
+        max_restarts=max_restarts,
+    )
     if kill_at_step is not None:
         cmd += ["--kill-at-step", str(kill_at_step), "--kill-rank", str(kill_rank)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
+    env = torchrun_env()
     t0 = time.time()
     with open(out_path, "wb") as out:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s)

@@ -14,7 +14,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.baseline.run import REPO, free_port
+from phalanx.natsserver import free_port
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def plain_ddp_args(
@@ -29,16 +31,10 @@ def plain_ddp_args(
     return args
 
 
-def torchrun(
-    nproc: int,
-    module: str,
-    args: Sequence[str],
-    *,
-    output: Path,
-    max_restarts: int = 0,
-) -> subprocess.Popen[bytes]:
-    """Start ``torchrun --nproc-per-node nproc -m module args``; its output goes to ``output``."""
-    cmd = [
+def torchrun_command(nproc: int, target: Sequence[str], *, max_restarts: int = 0) -> list[str]:
+    """``torchrun`` of ``target`` (``["-m", module, ...]`` or ``[script, ...]``): ``nproc``
+    workers, a c10d rendezvous on a free loopback port, ``--max-restarts``."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -50,16 +46,31 @@ def torchrun(
         "c10d",
         "--rdzv-endpoint",
         f"127.0.0.1:{free_port()}",
-        "-m",
-        module,
-        *args,
+        *target,
     ]
+
+
+def torchrun_env() -> dict[str, str]:
+    """The environment torchrun runs with here: this checkout importable, one thread."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # restarts otherwise reuse stale gloo peers
     env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def torchrun(
+    nproc: int,
+    module: str,
+    args: Sequence[str],
+    *,
+    output: Path,
+    max_restarts: int = 0,
+) -> subprocess.Popen[bytes]:
+    """Start ``torchrun --nproc-per-node nproc -m module args``; its output goes to ``output``."""
+    cmd = torchrun_command(nproc, ["-m", module, *args], max_restarts=max_restarts)
     with open(output, "wb") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(), stdout=out, stderr=subprocess.STDOUT)
 
 
 def run_torchrun(
