@@ -262,6 +262,11 @@ class Communicator:
         return self._pg
 
     @property
+    def abortable(self) -> bool:
+        """Whether :meth:`abort` can end an op in flight (NCCL can; gloo cannot)."""
+        return self._nccl is not None
+
+    @property
     def aborted(self) -> bool:
         """:meth:`abort` was called: every op from now on (and one in flight) fails."""
         return self._aborted

@@ -254,10 +254,12 @@ class Session:
 
     def _abort_on_newer_plan(self, plan: Plan) -> None:
         """From the agent's thread: a newer plan ends this generation, so a collective
-        blocked in it can only fail; NCCL is released now instead of at its timeout."""
+        blocked in it can only fail; NCCL is released now instead of at its timeout.
+        gloo cannot abort an op in flight: its ranks see the plan at the next step's
+        start, or their collective fails by the cascade or its timeout."""
         with self._lock:
             comm, generation = self.comm, self.generation
-        if comm is not None and plan.generation > generation:
+        if comm is not None and comm.abortable and plan.generation > generation:
             threading.Thread(target=comm.abort, name="phalanx-abort", daemon=True).start()
 
     def _join(self, rec: Recovery, restore: Restore, first: bool) -> None:
