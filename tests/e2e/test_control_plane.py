@@ -17,12 +17,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import nats.errors
 import pytest
 from phalanx.services.elasticity_planner.lease import leader_pid
 
 from phalanx.bus import JOBS_BUCKET, Bus
+from phalanx.bus.subjects import RECOVERED
 from phalanx.localstack import LocalStack
-from phalanx.schemas import Action, JobRecord, Plan, decode, headers_for
+from phalanx.schemas import Action, JobRecord, Plan, RecoveryDone, decode, headers_for
 from tests.e2e.conftest import Reference, RunJob, runner, stack_env
 from tests.e2e.test_recovery import actions, assert_bitwise_equal, assert_recovered
 
@@ -109,9 +111,33 @@ def test_nats_restarted_during_a_recovery_loses_nothing(
     # (core) observer: the committed record is the truth.
     plan = _committed_plan(ha_stack, result.job)
     assert plan.rank_of("w3") == 1 and plan.rank_of("w1") is None and plan.removed == ["w1"]
+    result.recoveries = _stored_recoveries(ha_stack, result.job)  # the observer may have been away
     assert_recovered(result, generation=plan.generation)
     assert_bitwise_equal(weights, reference(3))
     assert all(p.poll() is None for p in alive), "a service died"
+
+
+def _stored_recoveries(stack: LocalStack, job: str) -> list[RecoveryDone]:
+    """Every RecoveryDone of ``job`` in its stream, whether or not a subscriber was
+    connected when it was published."""
+
+    async def read() -> list[RecoveryDone]:
+        bus = await Bus.connect(stack.url, name="test-recoveries")
+        try:
+            sub = await bus.js.subscribe(RECOVERED.format(job=job), ordered_consumer=True)
+            out = []
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=1.0)
+                except nats.errors.TimeoutError:
+                    break
+                out.append(decode(msg.data, msg.headers, RecoveryDone))
+            await sub.unsubscribe()
+            return out
+        finally:
+            await bus.close()
+
+    return asyncio.run(read())
 
 
 def _committed_plan(stack: LocalStack, job: str) -> Plan:

@@ -79,6 +79,7 @@ class Agent:
         self._token = 0  # the highest planner fencing token seen in a plan
         self._follower: PlanFollower | None = None
         self._listeners: list[Callable[[Plan], None]] = []
+        self._in_flight: set[concurrent.futures.Future[None]] = set()  # publish() calls not yet done
 
     # -- lifecycle ------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> Agent:
@@ -110,9 +111,20 @@ class Agent:
         self._hb = hb = HeartbeatPublisher(bus, self.status, self._heartbeat_s)
         self._hb_task = asyncio.create_task(hb.run())
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float = 5.0, drain_s: float | None = None) -> None:
+        """Say goodbye and disconnect. Events still being published (a JetStream
+        publish retries while the server restarts) get up to ``drain_s`` first
+        (``PHALANX_AGENT_DRAIN_S``, 15 s): a rank that finishes its last steps while
+        NATS is away must not drop its RecoveryDone on the way out."""
         if not self._thread.is_alive():
             return
+        if drain_s is None:
+            drain_s = float(os.environ.get("PHALANX_AGENT_DRAIN_S", "15") or 15)
+        pending = [f for f in list(self._in_flight) if not f.done()]
+        if pending:
+            _, left = concurrent.futures.wait(pending, timeout=max(0.0, drain_s))
+            if left:
+                self.log.warning("events_dropped_at_exit", count=len(left), waited_s=drain_s)
 
         async def _close() -> None:
             if self._hb_task:
@@ -240,6 +252,8 @@ class Agent:
                     otel_context.detach(token)
 
         fut = asyncio.run_coroutine_threadsafe(_pub(), self._loop)
+        self._in_flight.add(fut)
+        fut.add_done_callback(self._in_flight.discard)
         if wait_s is not None:
             with contextlib.suppress(concurrent.futures.TimeoutError):
                 fut.result(wait_s)
