@@ -111,11 +111,14 @@ class Agent:
         self._hb = hb = HeartbeatPublisher(bus, self.status, self._heartbeat_s)
         self._hb_task = asyncio.create_task(hb.run())
 
-    def close(self, timeout_s: float = 5.0, drain_s: float | None = None) -> None:
+    def close(self, timeout_s: float = 5.0, drain_s: float | None = None, *, goodbye: bool = True) -> None:
         """Say goodbye and disconnect. Events still being published (a JetStream
         publish retries while the server restarts) get up to ``drain_s`` first
         (``PHALANX_AGENT_DRAIN_S``, 15 s): a rank that finishes its last steps while
-        NATS is away must not drop its RecoveryDone on the way out."""
+        NATS is away must not drop its RecoveryDone on the way out.
+
+        ``goodbye`` (a DONE heartbeat) tells the detector this worker is finished, so
+        that its exit is no fault; a process exiting on an error must not say it."""
         if not self._thread.is_alive():
             return
         if drain_s is None:
@@ -131,7 +134,7 @@ class Agent:
                 self._hb_task.cancel()
             if self._bus:
                 # Say goodbye, so the detector does not take the silence for a hang.
-                if self._hb is not None:
+                if self._hb is not None and goodbye:
                     await self._hb.goodbye()  # the launcher's socket or NATS, as the heartbeats went
                 if self._follower is not None:
                     await self._follower.stop()

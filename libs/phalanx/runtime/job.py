@@ -118,8 +118,10 @@ class Job:
                 raise CommError(f"store {addr} unreachable: {exc}") from exc
         return store
 
-    def close(self) -> None:
-        self.agent.close()
+    def close(self, *, goodbye: bool = True) -> None:
+        """Leave the job: say goodbye (the detector takes the exit that follows for no
+        fault), flush traces, disconnect. Idempotent."""
+        self.agent.close(goodbye=goodbye)
         shutdown_tracing()
 
 
@@ -173,7 +175,9 @@ def init() -> Job:
         local_slot=_slot(),
     )
     result.store_at()  # this node's store answers: the launcher is up
-    atexit.register(result.close)  # goodbye heartbeats, spans flushed, also without job.close()
+    # Spans flushed and NATS left also without job.close(), but no goodbye: a process
+    # ending on an uncaught exception or sys.exit(1) is a fault, not a finished worker.
+    atexit.register(result.close, goodbye=False)
     get_logger(component="runtime").info("worker_ready", job=job, worker=worker, role=role.value)
     _leave_quietly_on_sigterm(result)
     return result

@@ -180,6 +180,7 @@ class UserLoop:
 
         A spare blocks here until a plan gives it a rank; a worker a plan removes
         returns. A step whose collective failed is yielded again after recovery.
+        Once the last step is done, the worker leaves the job (``job.close()``).
         """
         if self._ddp is None:
             raise RuntimeError("job.steps() needs the model wrapped by job.ddp(model) first")
@@ -219,6 +220,7 @@ class UserLoop:
                 sampler.advance(loader.batch_size * session.world_size)
                 session.committed((time.perf_counter() - t0) * 1000.0, wall0)
             session.finish()
+            self.job.close()  # every step is done: this worker leaves the job (goodbye)
         except Removed:
             self.log.warning("removed_from_job", generation=session.generation)
 
