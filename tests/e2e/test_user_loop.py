@@ -163,3 +163,13 @@ def test_broken_communicator_with_every_rank_alive_reforms(
     assert result.returncode == 0, result.decisions
     assert Action.REFORM in actions(result)
     assert_bitwise_equal(weights, reference)
+
+
+def test_a_rank_that_raises_in_the_first_sync_stops_the_job(run: Run) -> None:
+    # Rank 0 is the first sync's source; its exception must end the job with a
+    # decision, not leave the others waiting (its exit is no clean leave).
+    result, weights, _ = run(extra=("--fail-sync", "w0"))
+    assert result.returncode == 1
+    stop = [d for d in result.decisions if d.action is Action.STOP]
+    assert len(stop) == 1 and "w0" in stop[0].reason, result.decisions
+    assert weights is None

@@ -5,7 +5,8 @@ writes this worker's end state to ``--dump DIR/<worker>.pt``: the model's
 weights, the optimizer's and the LR scheduler's state_dicts, the sampler's
 position and the step count, so a test can compare a joiner with the ranks it
 joined. ``--no-track`` registers nothing (the runtime finds model, optimizer and
-scheduler itself); ``--no-scheduler`` trains without an LR scheduler.
+scheduler itself); ``--no-scheduler`` trains without an LR scheduler;
+``--fail-sync W`` makes worker W raise when its state is taken (the first sync).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from examples.mlp import MLP, local_device, regression_data, save_weights
 from phalanx.runtime import ElasticSampler, init
+from phalanx.runtime.loop import UserLoop
 
 
 def main() -> int:
@@ -35,9 +37,16 @@ def main() -> int:
     p.add_argument("--dump")
     p.add_argument("--no-track", action="store_true")
     p.add_argument("--no-scheduler", action="store_true")
+    p.add_argument("--fail-sync", metavar="WORKER", help="this worker raises when its state is taken")
     args = p.parse_args()
     torch.set_num_threads(1)
     job = init()
+    if args.fail_sync == job.worker:  # a bug in user code met while sending the state
+
+        def broken(self: object) -> dict[str, object]:
+            raise TypeError("cannot take this rank's state")
+
+        UserLoop.state_dict = broken  # type: ignore[method-assign,assignment]
     device = local_device()
     torch.manual_seed(0)
     model = job.ddp(MLP(hidden=args.hidden, depth=args.depth, dropout=args.dropout).to(device))
