@@ -107,10 +107,10 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     )
 
 
-def find_worker(job: str, worker: str) -> int:
-    """The pid of ``worker`` of ``job``: the process the launcher started with
-    ``PHALANX_JOB``/``PHALANX_WORKER`` set (not one of its children, which inherit them)."""
-    want = {f"PHALANX_JOB={job}".encode(), f"PHALANX_WORKER={worker}".encode()}
+def find_process(*env: str) -> int:
+    """The pid of the process whose environment holds every ``NAME=value`` of ``env``,
+    and whose parent's does not (its children inherit the environment)."""
+    want = {e.encode() for e in env}
 
     def matches(pid: int) -> bool:
         try:
@@ -124,7 +124,12 @@ def find_worker(job: str, worker: str) -> int:
                 ppid = int(Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[1])
                 if not matches(ppid):
                     return int(entry.name)
-    raise LookupError(f"no process of worker {worker} in job {job}")
+    raise LookupError(f"no process with {' '.join(env)}")
+
+
+def find_worker(job: str, worker: str) -> int:
+    """The pid of ``worker`` of ``job``, as the launcher started it."""
+    return find_process(f"PHALANX_JOB={job}", f"PHALANX_WORKER={worker}")
 
 
 def step_fractions(trials: int, seed: int = 7) -> list[float]:
@@ -298,19 +303,6 @@ def quiet_control_plane_overhead(work: Path, *, nproc: int, steps: int) -> dict[
     }
 
 
-def find_torchrun_worker(rank: int, module: str) -> int:
-    """The pid of torchrun's worker ``rank`` running ``-m module``."""
-    want = f"RANK={rank}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            if module.encode() in cmd and want in (entry / "environ").read_bytes().split(b"\0"):
-                return int(entry.name)
-    raise LookupError(f"no torchrun worker of rank {rank} running {module}")
-
-
 def plain_restart_trial(work: Path, i: int, *, nproc: int, steps: int, step: int) -> dict[str, Any]:
     """The plain script's answer to the same fault: torchrun ``--max-restarts 1``
     restarts every worker, and a script without checkpoints starts over from step 0.
@@ -325,7 +317,8 @@ def plain_restart_trial(work: Path, i: int, *, nproc: int, steps: int, step: int
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"plain run {i} ended before step {step}: {out.read_text()[-2000:]}")
             time.sleep(0.005)
-        victim = find_torchrun_worker(1 + i % (nproc - 1), "examples.ddp_plain")
+        # torchrun's worker of that rank in its first attempt
+        victim = find_process(f"RANK={1 + i % (nproc - 1)}", "TORCHELASTIC_RESTART_COUNT=0")
         fault_ts = time.time()
         os.kill(victim, signal.SIGKILL)
         if proc.wait(600) != 0:

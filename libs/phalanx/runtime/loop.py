@@ -225,13 +225,13 @@ class UserLoop:
             self.log.warning("removed_from_job", generation=session.generation)
 
     # -- what moves to a joiner (the Session's Stateful) ---------------------------------
-    def _step(self) -> int:
-        return -1 if self.session is None else self.session.step
-
     def state_dict(self) -> dict[str, Any]:
         return {
             "tracked": {name: obj.state_dict() for name, obj in self.tracked.items()},
-            "rng": self._rng_before if self._rng_step == self._step() else rng_state(),
+            # the RNG state before the step in flight's batch was fetched (now, if not yet)
+            "rng": self._rng_before
+            if self.session is not None and self._rng_step == self.session.step
+            else rng_state(),
             "ddp": {"layout": self._layout},
         }
 
