@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: venv test test-fast demo bench-detect bench-recovery bench-user-loop bench-failover proto proto-check lint typecheck clean corpus
+.PHONY: venv test test-fast demo bench-detect bench-recovery bench-user-loop bench-failover bench-elastic bench-checkpoint proto proto-check lint typecheck clean corpus
 
 venv: $(STAMP)
 
@@ -36,6 +36,12 @@ bench-user-loop: venv
 
 bench-failover: venv
 	$(PY) -m bench.failover
+
+bench-elastic: venv
+	$(PY) -m bench.elastic
+
+bench-checkpoint: venv
+	$(PY) -m bench.checkpoint
 
 proto: venv
 	$(PY) -m phalanx.proto write proto

@@ -24,9 +24,13 @@ import torch.nn.functional as F
 
 from examples.corpus import DEFAULT_OUT, build_corpus
 from examples.gpt import GPT, GPTConfig
+from phalanx.checkpoint import Checkpointer
 from phalanx.runtime.data import DataStream
 from phalanx.runtime.job import init
 from phalanx.runtime.trainer import Trainer
+
+SMALL = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "64", "--global-batch", "12", "--micro-batch", "2"]
+"""A GPT small enough for many CPU ranks on one machine (~50 ms a step): tests and demo."""
 
 
 def command(
@@ -69,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2,
         help="prepare this rank's next N shards in shared memory, for a replacement on this node",
     )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="snapshot the state every N steps into the tiers (needs state-replication on each node);"
+        " a relaunched job resumes from the newest complete one",
+    )
     p.add_argument("--save", help="rank 0 writes the final state_dict here")
     p.add_argument("--steps-log", help="rank 0 appends one JSON line per completed step")
     return p.parse_args(argv)
@@ -99,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                     {
                         "step": step,
                         "ms": step_ms,
+                        "loss": trainer.last_loss,
+                        "world": trainer.world_size,
+                        "batch": trainer.effective_batch,
+                        "lr_scale": trainer.lr_scale,
                         "worker": job.worker,
                         "generation": trainer.generation,
                         "ts": time.time(),
@@ -118,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         data_state=lambda step: stream.position(step, G).to_dict(),
         on_step=on_step,
+        checkpoints=Checkpointer(job.job) if args.checkpoint_every else None,
+        checkpoint_every=args.checkpoint_every,
     )
     done = trainer.fit(args.steps)
     if args.save and trainer.rank == 0 and done >= args.steps:

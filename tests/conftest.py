@@ -8,11 +8,15 @@ Tests choose their NATS server through one fixture, ``nats_url``:
   loopback port with its own temporary store directory.
 
 Tests that stop and restart the server use ``nats_server`` (always the binary).
+
+Tests that need an object store use ``s3_server``: one moto S3 server per session.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -21,6 +25,7 @@ import pytest
 from _docker import docker_available  # tests/ is on sys.path (rootdir conftest)
 from phalanx.bus import Bus
 from phalanx.natsserver import NatsServer
+from phalanx.s3server import S3Server
 
 __all__ = ["docker_available"]
 
@@ -67,8 +72,25 @@ async def bus(nats_url: str) -> AsyncIterator[Bus]:
 
 
 @pytest.fixture(autouse=True)
+def _shm_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every test's snapshot slots and keepers live in its own shared-memory directory
+    (PHALANX_SHM_ROOT), removed after it: nothing is left in /dev/shm/phalanx."""
+    path = Path("/dev/shm") / f"phalanx-test-{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("PHALANX_SHM_ROOT", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
 def _span_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Every test writes spans to its own file (child processes inherit the env)."""
     path = tmp_path / "spans.jsonl"
     monkeypatch.setenv("PHALANX_SPAN_FILE", str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One moto S3 server for the whole session (phalanx.s3server); tests make their own buckets."""
+    with S3Server() as srv:
+        yield srv

@@ -6,6 +6,9 @@ phalanx run --nproc N [--spares K] [--job J] -- python train.py ...          one
 phalanx run --nnodes MIN[:MAX] --node-id NAME --nproc-per-node N [--spares-per-node K]
             --job J --rdzv-endpoint HOST:PORT [--bind ADDR] -- python train.py ...  each node
 phalanx trace summary [--trace ID] [--spans FILE] [--jaeger URL]
+phalanx cluster offer N --node X [--cluster local]          offer N more worker slots on node X
+phalanx cluster reclaim X [--grace 10s] [--cluster local]   take node X back (its workers leave)
+phalanx cluster show [--json] [--cluster local]             the local cluster's record
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import signal
 import sys
 import uuid
 from pathlib import Path
+
+from phalanx.schemas import Elastic
 
 SERVICES = {
     "failure-detector": "phalanx.services.failure_detector",
@@ -62,6 +67,36 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return low, high
 
 
+def elastic_settings(args: argparse.Namespace) -> Elastic:
+    """The job's elasticity from ``phalanx run``'s options (a clear ValueError if inconsistent)."""
+    from pydantic import ValidationError
+
+    from phalanx.cluster import parse_grace
+
+    try:
+        sizes = [int(x) for x in args.sizes.split(",") if x.strip()] if args.sizes else []
+    except ValueError:
+        raise ValueError(
+            f"--sizes must be a comma-separated list of world sizes, got {args.sizes!r}"
+        ) from None
+    try:
+        return Elastic(
+            max_world_size=args.max_nproc or 0,
+            sizes=sizes,
+            size_step=args.size_step,
+            cooldown_s=parse_grace(args.cooldown, "--cooldown"),
+            grace_s=parse_grace(args.grace, "--grace"),
+            micro_batch=args.micro_batch,
+            max_accum=args.max_accum,
+            lr_rule=args.lr_rule,
+            auto_grow=args.auto_grow,
+        )
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ValueError(f"elastic setting {where or ''}: {first['msg']}") from None
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from phalanx.runtime.launcher import LaunchConfig, LaunchError, run
     from phalanx.telemetry import setup_logging, setup_tracing, shutdown_tracing
@@ -82,6 +117,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("phalanx run: every node of a multi-node job must name it with --job", file=sys.stderr)
         return 2
     url = f"nats://{args.rdzv_endpoint}" if args.rdzv_endpoint else None
+    try:
+        elastic = elastic_settings(args)
+    except ValueError as exc:
+        print(f"phalanx run: {exc}", file=sys.stderr)
+        return 2
     setup_logging("launcher")
     setup_tracing("phalanx-launcher")
     config = LaunchConfig(
@@ -98,6 +138,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_nodes=max_nodes,
         bind=args.bind,
         join_timeout_s=args.join_timeout,
+        elastic=elastic,
     )
     try:
         return asyncio.run(run(config, args.timeout))
@@ -113,6 +154,40 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
     spans = load_spans(spans_file=args.spans, jaeger_url=args.jaeger, trace_id=args.trace)
     return print_summary(spans, trace_id=args.trace)
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from phalanx import cluster
+    from phalanx.telemetry import setup_logging
+
+    setup_logging("phalanx-cluster", level="CRITICAL")  # the one-line error below says it all
+    prog = f"phalanx cluster {args.what}"
+    try:
+        if args.what == "offer":
+            rec = asyncio.run(cluster.offer(args.slots, args.node, cluster=args.cluster))
+            node = rec.state.node(args.node)
+            print(
+                f"cluster {args.cluster}: node {args.node} offers {node.slots if node else 0} slot(s) "
+                f"(+{args.slots}), {rec.state.available_slots} in all (revision {rec.revision})"
+            )
+        elif args.what == "reclaim":
+            grace = cluster.parse_grace(args.grace)
+            rec = asyncio.run(cluster.reclaim(args.node, grace, cluster=args.cluster))
+            notice = rec.preemption.id if rec.preemption else "?"
+            print(
+                f"cluster {args.cluster}: node {args.node} reclaimed, its workers must leave within "
+                f"{grace:g} s (preemption {notice}, revision {rec.revision})"
+            )
+        else:
+            rec = asyncio.run(cluster.read(args.cluster))
+            print(rec.state.model_dump_json(indent=2) if args.json else cluster.describe(rec))
+    except cluster.BadInput as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except cluster.ClusterError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,6 +224,35 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--job", default=os.environ.get("PHALANX_JOB"), help="the job's name (same on every node)")
     r.add_argument("--global-batch", type=int, default=32, help="samples per optimizer step, whole job")
     r.add_argument("--min-nproc", type=int, help="smallest world a shrink may leave (default: no shrink)")
+    r.add_argument(
+        "--max-nproc",
+        type=int,
+        default=0,
+        help="largest world (ranks, whole job) a grow may reach (default: the starting world)",
+    )
+    r.add_argument("--sizes", help="allowed world sizes, e.g. 2,4,8 (default: any from min to max)")
+    r.add_argument("--size-step", type=int, default=1, help="world sizes must be multiples of this")
+    r.add_argument("--cooldown", default="10s", help="no grow sooner than this after a change (e.g. 30s)")
+    r.add_argument("--grace", default="30s", help="time leaving ranks get when a notice gives none")
+    r.add_argument("--micro-batch", type=int, default=0, help="samples per forward of one replica")
+    r.add_argument(
+        "--max-accum",
+        type=int,
+        default=0,
+        help="most micro-batches per replica per step (memory/time cap; 0: none)",
+    )
+    r.add_argument(
+        "--lr-rule",
+        choices=["none", "linear", "sqrt"],
+        default="none",
+        help="learning-rate rule when the global batch cannot be held",
+    )
+    r.add_argument(
+        "--no-auto-grow",
+        dest="auto_grow",
+        action="store_false",
+        help="never grow on the planner's own initiative; only a policy's proposals grow the job",
+    )
     r.add_argument("--log-dir", help="write each worker's output to DIR/<worker>.log")
     r.add_argument(
         "--join-timeout", type=float, default=10.0, help="seconds to wait for the planner's answer"
@@ -167,6 +271,27 @@ def main(argv: list[str] | None = None) -> int:
         help="Jaeger query base URL, e.g. http://localhost:16686",
     )
     ts.set_defaults(fn=_cmd_trace)
+    c = sub.add_parser(
+        "cluster", help="drive the local cluster: offer worker slots on a node, reclaim a node, show it"
+    )
+    csub = c.add_subparsers(dest="what", required=True)
+    co = csub.add_parser("offer", help="offer N more worker slots on a node (beyond what its launchers run)")
+    co.add_argument("slots", type=int, metavar="N", help="how many more slots (>= 1)")
+    co.add_argument("--node", required=True, help="the node offering them (its launcher's --node-id)")
+    cr = csub.add_parser("reclaim", help="take a node back: it offers nothing, its workers must leave")
+    cr.add_argument("node", help="the node to take back (its launcher's --node-id)")
+    cr.add_argument(
+        "--grace",
+        default="30s",
+        help="time its workers get to leave: 10s, 500ms, 2m or seconds (default 30s)",
+    )
+    cs = csub.add_parser("show", help="print the cluster's nodes, slots and preemptions")
+    cs.add_argument("--json", action="store_true", help="the record as stored (JSON) instead of a table")
+    for cp in (co, cr, cs):
+        cp.add_argument(
+            "--cluster", default="local", help="the cluster's name, its key in the phalanx_cluster bucket"
+        )
+        cp.set_defaults(fn=_cmd_cluster)
     args = p.parse_args(argv)
     return int(args.fn(args))
 

@@ -1,4 +1,5 @@
-"""``make demo``: a 4-rank CPU training job that loses ranks and keeps going.
+"""``make demo``: a 4-rank CPU training job that loses ranks and keeps going, then
+gives capacity back and takes it again.
 
 Starts a real nats-server (unless ``NATS_URL`` is set) and the four services,
 trains the example byte-level GPT once without faults (the reference), then
@@ -6,14 +7,23 @@ again with 2 hot spares while one rank is SIGKILLed and, later, another is
 SIGSTOPped (a hang). It prints each fault, its detection, the planner's
 decision, every recovery phase (from the incident's trace), the first step
 after recovery, and checks that the final weights equal the reference bit for bit.
-Logs, spans and the store directory go to ``.phalanx/demo/``.
+
+Then elasticity: a job on two launchers ("nodes" a and b, two ranks each, on this
+machine) is shrunk and grown through the public CLI while it trains --
+``phalanx cluster reclaim b --grace 10s`` (b's ranks finish their step and exit
+0), then ``phalanx cluster offer 1 --node b`` twice (b's launcher starts a worker,
+the job grows when it is warm) -- and its per-step loss is compared with a
+fixed-size run of the same job. Logs, spans and the store directory go to
+``.phalanx/demo/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +31,7 @@ from pathlib import Path
 import torch
 
 from phalanx.localstack import JobResult, LocalStack
+from phalanx.schemas import Action
 from phalanx.telemetry import setup_logging
 from phalanx.tracesummary import _from_file, format_incident, incidents
 
@@ -73,12 +84,91 @@ def _report(result: JobResult, fault_log: Path, steps_log: Path, span_file: Path
             )
 
 
+MEMBERSHIP = (Action.START, Action.SHRINK, Action.GROW, Action.REPLACE, Action.SPAWN, Action.STOP)
+
+
+def _cluster(stack: LocalStack, *args: str) -> None:
+    """``phalanx cluster ...``, as an operator types it."""
+    _say(f"  $ phalanx cluster {' '.join(args)}")
+    done = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "cluster", *args],
+        env={**stack.env, **stack.role_env("admin")},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"phalanx cluster {' '.join(args)} failed: {done.stderr.strip()}")
+
+
+def _elastic(stack: LocalStack, corpus: Path, work: Path, steps: int) -> bool:
+    """Part 3: reclaim and offers on a two-node job; True when its losses match the fixed run's."""
+    from examples.train_gpt import SMALL
+    from examples.train_gpt import command as train_command
+
+    args = ["--max-nproc", "4", "--min-nproc", "2", "--cooldown", "1s"]
+    runs: dict[str, list[dict[str, float]]] = {}
+    results: dict[str, JobResult] = {}
+    for name in ("fixed", "elastic"):
+        log = work / f"{name}.steps"
+        acts = (
+            [
+                (10, lambda r: _cluster(stack, "reclaim", "b", "--grace", "10s")),
+                (lambda r: r.world_size == 2, lambda r: _cluster(stack, "offer", "1", "--node", "b")),
+                (lambda r: r.world_size == 3, lambda r: _cluster(stack, "offer", "1", "--node", "b")),
+            ]
+            if name == "elastic"
+            else []
+        )
+        results[name] = stack.run_nodes(
+            f"demo-{name}",
+            train_command(steps, corpus, *SMALL, steps_log=log),
+            nodes={"a": (2, 0), "b": (2, 0)},
+            global_batch=12,
+            steps_log=log,
+            actions=acts,
+            launcher_args=args,
+            timeout_s=300,
+        )
+        runs[name] = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    run = results["elastic"]
+    for d in run.decisions:
+        if d.action in MEMBERSHIP:
+            size = f" -> {d.world_size} ranks" if d.world_size else ""
+            _say(f"  decision   {d.action.value}{size}: {d.reason}")
+    steps_run = runs["elastic"]
+    for before, after in itertools.pairwise(steps_run):
+        if after["world"] != before["world"]:
+            _say(
+                f"  resize     {int(before['world'])} -> {int(after['world'])} ranks after step "
+                f"{int(before['step'])}: {1000 * (after['ts'] - before['ts']):.0f} ms from its last step to "
+                f"the first at the new size (a step takes ~{after['ms']:.0f} ms)"
+            )
+    left = [e for e in run.exits if e.worker in ("b-w0", "b-w1")]
+    _say(
+        f"  reclaim    b-w0, b-w1 exited {sorted({str(e.exit_code) for e in left})}; "
+        f"failed collectives: {len(run.comm_errors)}"
+    )
+    ref = {int(s["step"]): s["loss"] for s in runs["fixed"]}
+    got = {int(s["step"]): s["loss"] for s in steps_run}
+    ok = bool(ref) and ref.keys() == got.keys() and run.returncode == 0
+    diff = (
+        max((abs(got[k] - ref[k]) / abs(ref[k]) for k in ref), default=float("inf")) if ok else float("inf")
+    )
+    _say(
+        f"  loss       every one of {len(ref)} steps within {diff:.2g} (relative) of the fixed 4-rank run "
+        f"(global batch 12 at every size)"
+    )
+    return ok and diff <= 1e-5
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--workdir", default=".phalanx/demo")
     ap.add_argument("--faults", default="kill:w2@step=12,stop:w1@step=26")
+    ap.add_argument("--elastic-steps", type=int, default=500, help="steps of the elastic part")
     args = ap.parse_args(argv)
     from examples.corpus import DEFAULT_OUT, build_corpus
     from examples.train_gpt import command as train_command
@@ -88,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     corpus = Path(DEFAULT_OUT)
-    _say("Phalanx demo: checkpointless recovery of a 4-rank CPU training job")
+    _say("Phalanx demo: checkpointless recovery and elastic resizing of a 4-rank CPU training job")
     build_corpus(corpus)
     _say(f"[setup] corpus {corpus} ({corpus.stat().st_size} bytes)")
     t = time.time()
@@ -98,14 +188,14 @@ def main(argv: list[str] | None = None) -> int:
             f"({time.time() - t:.1f} s); logs in {work}/"
         )
         spares = args.faults.count(":")
-        _say(f"\n[1/2] fault-free reference: {args.nproc} ranks, {args.steps} steps")
+        _say(f"\n[1/3] fault-free reference: {args.nproc} ranks, {args.steps} steps")
         ref = stack.run_job(
             "demo-ref",
             train_command(args.steps, corpus, save=work / "ref.pt", steps_log=work / "ref.steps"),
             nproc=args.nproc,
         )
         _say(f"      exit {ref.returncode} in {ref.wall_s:.1f} s")
-        _say(f"\n[2/2] the same job with {spares} hot spares and faults {args.faults}")
+        _say(f"\n[2/3] the same job with {spares} hot spares and faults {args.faults}")
         run = stack.run_job(
             "demo-faults",
             train_command(args.steps, corpus, save=work / "run.pt", steps_log=work / "run.steps"),
@@ -120,17 +210,22 @@ def main(argv: list[str] | None = None) -> int:
         )
         time.sleep(0.5)  # services export spans every 200 ms
         _report(run, work / "faults.jsonl", work / "run.steps", stack.span_file)
-    if ref.returncode != 0 or run.returncode != 0:
-        _say("\nFAILED: a job did not complete; see the logs")
-        return 1
-    a, b = torch.load(work / "ref.pt"), torch.load(work / "run.pt")
-    same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    _say(
-        f"\nfinal check: {len(a)} weight tensors after {args.steps} steps are "
-        f"{'bitwise EQUAL to' if same else 'DIFFERENT from'} the fault-free run"
-    )
+        if ref.returncode != 0 or run.returncode != 0:
+            _say("\nFAILED: a job did not complete; see the logs")
+            return 1
+        a, b = torch.load(work / "ref.pt"), torch.load(work / "run.pt")
+        same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        _say(
+            f"\nfinal check: {len(a)} weight tensors after {args.steps} steps are "
+            f"{'bitwise EQUAL to' if same else 'DIFFERENT from'} the fault-free run"
+        )
+        _say(
+            f"\n[3/3] elasticity: nodes a and b, 2 ranks each, {args.elastic_steps} steps; "
+            "capacity taken back and offered again through `phalanx cluster`"
+        )
+        elastic = _elastic(stack, corpus, work, args.elastic_steps)
     _say(f"trace any incident again with: phalanx trace summary --spans {stack.span_file}")
-    return 0 if same else 1
+    return 0 if same and elastic else 1
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,16 +40,28 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import nats.errors
 from nats.aio.msg import Msg
 
 from phalanx.bus import Bus
 from phalanx.bus._connection import ENV_NATS_PASSWORD, ENV_NATS_USER
-from phalanx.bus.subjects import DECISION, FAILED, HUNG, NODE_LOST, PLAN, RECOVERED
+from phalanx.bus.subjects import COMM_ERROR, DECISION, EXITED, FAILED, HUNG, NODE_LOST, PLAN, RECOVERED
 from phalanx.natsauth import ROLE_OF_SERVICE, NatsAuth
 from phalanx.natsserver import NatsServer
 from phalanx.netns import NetnsCluster
 from phalanx.runtime.launcher import LaunchConfig, Launcher
-from phalanx.schemas import NodeLost, Plan, PlanDecision, RankFailed, RankHung, RecoveryDone, decode
+from phalanx.schemas import (
+    Action,
+    CollectiveError,
+    NodeLost,
+    Plan,
+    PlanDecision,
+    RankExited,
+    RankFailed,
+    RankHung,
+    RecoveryDone,
+    decode,
+)
 from phalanx.service import ping
 
 SERVICE_MODULES = {
@@ -72,6 +85,13 @@ class JobResult:
     received_at: dict[str, float] = field(default_factory=dict)  # first receipt per incident
     node_returncodes: dict[str, int] = field(default_factory=dict)  # run_nodes: each launcher's exit
     actions_at: list[float] = field(default_factory=list)  # run_nodes: when each action ran
+    exits: list[RankExited] = field(default_factory=list)  # worker processes that ended
+    comm_errors: list[CollectiveError] = field(default_factory=list)  # failed collectives reported
+
+    @property
+    def world_size(self) -> int:
+        """The world size of the newest plan seen (0 before the first)."""
+        return max(self.plans, key=lambda p: p.generation).world_size if self.plans else 0
 
     def observe(self, msg: object) -> None:
         if isinstance(msg, RankFailed | RankHung):
@@ -86,6 +106,10 @@ class JobResult:
             self.plans.append(msg)
         elif isinstance(msg, RecoveryDone):
             self.recoveries.append(msg)
+        elif isinstance(msg, RankExited):
+            self.exits.append(msg)
+        elif isinstance(msg, CollectiveError):
+            self.comm_errors.append(msg)
 
 
 class LocalStack:
@@ -150,23 +174,62 @@ class LocalStack:
                 store_dir=self.workdir / "nats", config_file=conf, host=host, argv_prefix=self._argv([])
             ).start()
             self.env["NATS_URL"] = self.server.url
+        shm = str(self.shm_root)  # ranks and keepers share it
         for name in self.services:
-            self.start_service(name)
+            # The control node's keeper: the one of a single-node stack's node, "local"
+            # (the launcher's default node name).
+            keeper = {"PHALANX_NODE": self.control if self.cluster else "local", "PHALANX_SHM_ROOT": shm}
+            self.start_service(name, env=keeper if name == "state-replication" else None)
         asyncio.run(self._wait_healthy())
         return self
 
-    def start_service(self, name: str) -> str:
-        """Start one process of service ``name``; returns its key in :attr:`procs`
-        (``name``, then ``name#2``.. for replicas, each with its own log)."""
+    def start_service(self, name: str, *, node: str | None = None, env: dict[str, str] | None = None) -> str:
+        """Start one process of service ``name`` (on cluster ``node``, default the control
+        node, with ``env`` added); returns its key in :attr:`procs` (``name``, then
+        ``name#2``.. for replicas, each with its own log)."""
         n = 1 + sum(1 for k in self.procs if k.split("#")[0] == name)
         key = name if n == 1 else f"{name}#{n}"
         log = open(self.workdir / f"{key.replace('#', '-')}.log", "ab")
-        env = {**self.env, **self.role_env(ROLE_OF_SERVICE[name])}
+        full = {**self.env, **self.role_env(ROLE_OF_SERVICE[name]), **(env or {})}
         self.procs[key] = subprocess.Popen(
-            self._argv([sys.executable, "-m", SERVICE_MODULES[name]]), env=env, stdout=log, stderr=log
+            self._argv([sys.executable, "-m", SERVICE_MODULES[name]], node), env=full, stdout=log, stderr=log
         )
         log.close()
         return key
+
+    def start_keeper(self, node: str, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> str:
+        """Start ``node``'s checkpoint keeper (a state-replication process there, reachable
+        by peers on the node's address) and wait for its socket; returns its key.
+
+        ``env`` adds the tiers (``PHALANX_CKPT_DISK``...); ``PHALANX_SHM_ROOT`` defaults
+        to the stack's ``shm`` directory under /dev/shm."""
+        full = {
+            "PHALANX_NODE": node,
+            "PHALANX_KEEPER_HOST": self.cluster.ip(node) if self.cluster is not None else "127.0.0.1",
+            "PHALANX_SHM_ROOT": str(self.shm_root),
+            **(env or {}),
+        }
+        key = self.start_service(
+            "state-replication", node=node if self.cluster is not None else None, env=full
+        )
+        sock = Path(full["PHALANX_SHM_ROOT"]) / node / "keeper.sock"
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()  # a dead keeper's: wait for the new one's
+        deadline = time.monotonic() + timeout_s
+        while not sock.exists():
+            if self.procs[key].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"keeper of {node} did not start: see {self.workdir}/{key.replace('#', '-')}.log"
+                )
+            time.sleep(0.05)
+        return key
+
+    @property
+    def shm_root(self) -> Path:
+        """The shared memory of this stack's ranks and keepers (``PHALANX_SHM_ROOT``)."""
+        if "PHALANX_SHM_ROOT" not in self.env:
+            self.env["PHALANX_SHM_ROOT"] = f"/dev/shm/phalanx-{self.workdir.name}-{os.getpid()}"
+        return Path(self.env["PHALANX_SHM_ROOT"])
 
     def _argv(self, argv: list[str], node: str | None = None) -> list[str]:
         """``argv`` run on ``node`` (default: the control node) when there is a cluster."""
@@ -205,6 +268,8 @@ class LocalStack:
         if self.server is not None:
             self.server.cleanup()
             self.server = None
+        if self.env.get("PHALANX_SHM_ROOT", "").startswith(f"/dev/shm/phalanx-{self.workdir.name}-"):
+            shutil.rmtree(self.env["PHALANX_SHM_ROOT"], ignore_errors=True)  # one this stack made
 
     def __enter__(self) -> LocalStack:
         return self.start()
@@ -224,8 +289,34 @@ class LocalStack:
         async def on_msg(raw: Msg) -> None:
             result.observe(decode(raw.data, raw.headers))
 
-        for subject in (FAILED, HUNG, NODE_LOST, DECISION, PLAN, RECOVERED):
+        for subject in (FAILED, HUNG, NODE_LOST, DECISION, PLAN, RECOVERED, EXITED, COMM_ERROR):
             await bus.nc.subscribe(subject.format(job=job), cb=on_msg)
+
+    def wait_ended(self, job: str, timeout_s: float = 60.0) -> PlanDecision:
+        """Block until the planner has ended ``job`` (its last decision is ``stop`` or
+        ``complete``): a job relaunched before that would join the run being ended."""
+        return asyncio.run(self._wait_ended(job, timeout_s))
+
+    async def _wait_ended(self, job: str, timeout_s: float) -> PlanDecision:
+        bus = await self._observer(job)
+        try:
+            # Every decision of the job, from the first: later ones (a hold) may follow the stop.
+            sub = await bus.js.subscribe(DECISION.format(job=job), ordered_consumer=True)
+            try:
+                deadline = time.monotonic() + timeout_s
+                while time.monotonic() < deadline:
+                    try:
+                        raw = await sub.next_msg(timeout=0.5)
+                    except nats.errors.TimeoutError:
+                        continue
+                    d = decode(raw.data, raw.headers)
+                    if isinstance(d, PlanDecision) and d.action in (Action.STOP, Action.COMPLETE):
+                        return d
+                raise TimeoutError(f"the planner did not end job {job} within {timeout_s:g}s")
+            finally:
+                await sub.unsubscribe()  # an ordered consumer left to the drain holds it for 30 s
+        finally:
+            await bus.close()
 
     def run_job(self, job: str, cmd: list[str], **kwargs: Any) -> JobResult:
         """Run a job to its end; the arguments are :meth:`run_job_async`'s."""
@@ -290,8 +381,10 @@ class LocalStack:
         nnodes: str = "1",
         global_batch: int = 16,
         min_nproc: int | None = None,
+        extra: Sequence[str] = (),
     ) -> list[str]:
-        """The ``phalanx run`` command line of one node (run inside its namespace)."""
+        """The ``phalanx run`` command line of one node (run inside its namespace);
+        ``extra``: more ``phalanx run`` options (``--max-nproc 4 --cooldown 1s``)."""
         endpoint = self.url.split("://", 1)[-1]
         argv = [sys.executable, "-m", "phalanx.cli", "run", "--job", job, "--nnodes", nnodes]
         argv += ["--node-id", node, "--nproc-per-node", str(nproc_per_node)]
@@ -299,7 +392,7 @@ class LocalStack:
         argv += ["--global-batch", str(global_batch), "--log-dir", str(self.workdir / "logs" / job / node)]
         if min_nproc is not None:
             argv += ["--min-nproc", str(min_nproc)]
-        return self._argv([*argv, "--", *cmd], node)
+        return self._argv([*argv, *extra, "--", *cmd], node)
 
     def node_env(self, faults: str = "", env: dict[str, str] | None = None) -> dict[str, str]:
         """A launcher's environment: the stack's settings, its credentials, its ranks'."""
@@ -326,12 +419,14 @@ class LocalStack:
         faults: str = "",
         env: dict[str, str] | None = None,
         steps_log: Path | None = None,
-        actions: Sequence[tuple[int, Callable[[JobResult], object]]] = (),
+        actions: Sequence[tuple[int | Callable[[JobResult], bool], Callable[[JobResult], object]]] = (),
+        launcher_args: Sequence[str] = (),
         timeout_s: float = 300.0,
     ) -> JobResult:
         """One ``phalanx run`` per node, ``nodes[node] = (ranks, spares)``, started in
-        that order; ``actions`` run once rank 0's ``steps_log`` shows their step done
-        (a node killed after step 5: ``(5, lambda result: cl.kill_node("b"))``).
+        that order; ``actions`` run in order, each once rank 0's ``steps_log`` shows its
+        step done (a node killed after step 5: ``(5, lambda result: cl.kill_node("b"))``)
+        or once its predicate on the result so far holds (``lambda r: r.world_size == 3``).
 
         ``result.returncode`` is 0 when every launcher that was not killed by an
         action exited 0; each launcher's own code is in ``node_returncodes``.
@@ -341,7 +436,7 @@ class LocalStack:
         await self._observe(bus, job, result)
         spec = nnodes or str(len(nodes))
         procs: dict[str, subprocess.Popen[bytes]] = {}
-        todo = sorted(actions, key=lambda a: a[0])
+        todo = list(actions)
         t0 = time.time()
         try:
             for node, (nproc, spares) in nodes.items():
@@ -355,6 +450,7 @@ class LocalStack:
                     nnodes=spec,
                     global_batch=global_batch,
                     min_nproc=min_nproc,
+                    extra=launcher_args,
                 )
                 procs[node] = subprocess.Popen(
                     argv, env=self.node_env(faults, env), stdout=log, stderr=subprocess.STDOUT
@@ -366,7 +462,7 @@ class LocalStack:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"job {job} did not end within {timeout_s:g}s")
                 done = last_logged_step(steps_log) if steps_log is not None and todo else -1
-                while todo and done >= todo[0][0]:
+                while todo and (todo[0][0](result) if callable(todo[0][0]) else done >= todo[0][0]):
                     result.actions_at.append(time.time())
                     todo.pop(0)[1](result)
                 killed |= {n for n, p in procs.items() if p.poll() is not None and p.returncode < 0}

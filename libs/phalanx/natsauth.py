@@ -19,7 +19,8 @@ planner      elasticity-planner   plans, decisions, join answers, the ``phalanx_
 detector     failure-detector     ``failed`` / ``hung`` / ``node_lost`` verdicts
 launcher     launcher             job specs, process exits, node digests
 rank         rank (and spares)    heartbeats, registered, ack, comm_error, recovered
-scheduler    scheduler-signal     capacity and preemption signals
+scheduler    scheduler-signal     capacity and preemption signals (reads the ``phalanx_cluster`` bucket)
+policy       a custom policy      proposals (``phalanx.cmd.<job>.proposal``)
 replication  state-replication    its error events only (bulk state is not on NATS)
 observer     --                   nothing: reads subjects and streams
 admin        --                   everything (provisioning, operators, tests)
@@ -62,6 +63,15 @@ someone listens on -- records carry no ``Phalanx-Kind`` header, and every receiv
 refuses them as bad input. The scoped forms (a direct get, a consumer named with
 its filter) are allowed too, ready for a bucket with ``allow_direct``.
 
+**The local cluster.** The ``phalanx_cluster`` bucket (one record per cluster,
+:mod:`phalanx.cluster`) is written by ``admin`` alone: ``phalanx cluster offer`` /
+``reclaim`` run with the admin credentials when the server enforces roles
+(``PHALANX_NATS_USER=admin`` and its ``PHALANX_NATS_PASSWORD``, e.g. from
+``admin.env``); any other user's write is refused. scheduler-signal reads and
+watches it (a consumer on ``KV_phalanx_cluster``); every role-wide user may read
+it, and the roles that create the topology may create the bucket and look it up
+(``STREAM.INFO``, a job's launcher included).
+
 Per worker is as strong as the separation between the processes: a rank running
 as the same OS user as its launcher can read the launcher's environment, which
 holds every local worker's password.
@@ -99,16 +109,21 @@ from pathlib import Path
 
 from phalanx.bus._connection import ENV_NATS_PASSWORD, ENV_NATS_USER, inbox_prefix
 from phalanx.bus.subjects import CATALOGUE, ERROR, HEALTH, Subject, Transport
-from phalanx.bus.topology import COMMANDS, EVENTS, JOBS_BUCKET, SCHED, STREAMS
+from phalanx.bus.topology import CKPT_BUCKET, CLUSTER_BUCKET, COMMANDS, EVENTS, JOBS_BUCKET, SCHED, STREAMS
 from phalanx.proto import PARTIES
 
 JS_API = "$JS.API"
 KV_STREAM = f"KV_{JOBS_BUCKET}"
 KV_SUBJECTS = f"$KV.{JOBS_BUCKET}.>"
-ALL_STREAMS: tuple[str, ...] = (*(s.name for s in STREAMS), KV_STREAM)
+CLUSTER_KV_STREAM = f"KV_{CLUSTER_BUCKET}"
+CLUSTER_KV_SUBJECTS = f"$KV.{CLUSTER_BUCKET}.>"  # written by admin only (phalanx cluster ...)
+CKPT_KV_STREAM = f"KV_{CKPT_BUCKET}"
+CKPT_KV_SUBJECTS = f"$KV.{CKPT_BUCKET}.>"  # written by the keepers (state-replication) only
+ALL_STREAMS: tuple[str, ...] = (*(s.name for s in STREAMS), KV_STREAM, CLUSTER_KV_STREAM, CKPT_KV_STREAM)
 
 PLANNER, DETECTOR, LAUNCHER, RANK = "planner", "detector", "launcher", "rank"
 SCHEDULER, REPLICATION, OBSERVER, ADMIN = "scheduler", "replication", "observer", "admin"
+POLICY = "policy"
 
 # What a launcher hands its workers (phalanx.runtime.launcher): per-worker users, and
 # the one user of every worker not listed there.
@@ -130,6 +145,7 @@ class Role:
     creates_topology: bool = False  # Bus.connect(ensure=True): may create the streams and the bucket
     updates_topology: bool = False  # may change a stream's configuration
     writes_jobs_kv: bool = False  # may put/update/delete/purge keys of the phalanx_jobs bucket
+    writes_ckpt_kv: bool = False  # may write the phalanx_ckpt bucket (checkpoint copies per tier)
     follows_plans: bool = False  # reads and watches its job's record, phalanx_jobs/<job>.plan
     per_job: bool = False  # rendered per job (rank: also per worker), see NatsAuth.with_job
     description: str = ""
@@ -175,16 +191,25 @@ ROLES: dict[str, Role] = {
             SCHEDULER,
             "scheduler-signal",
             "scheduler-signal",
+            consumes=(CLUSTER_KV_STREAM,),  # the watch of the local cluster's records
             creates_topology=True,
-            description="publishes capacity changes and preemption notices",
+            description="publishes capacity changes and preemption notices; watches phalanx_cluster",
         ),
         Role(
             REPLICATION,
             "state-replication",
             "state-replication",
-            consumes=(COMMANDS.name, EVENTS.name),
+            consumes=(COMMANDS.name, EVENTS.name, CKPT_KV_STREAM),
             creates_topology=True,
-            description="follows plans and recoveries; moves state over its own TCP streams",
+            writes_ckpt_kv=True,
+            description="the node's checkpoint keeper: follows plans, moves state over its own TCP"
+            " streams, writes the phalanx_ckpt bucket",
+        ),
+        Role(
+            POLICY,
+            "policy",
+            consumes=(EVENTS.name, SCHED.name, COMMANDS.name),
+            description="a user's own elasticity policy: reads events and signals, publishes proposals",
         ),
         Role(
             OBSERVER,
@@ -354,12 +379,19 @@ def permissions(
         pub += _plan_follow(job or "*")
     if r.creates_topology:
         pub += [f"{JS_API}.STREAM.CREATE.{s}" for s in ALL_STREAMS]
+        # ensure_topology looks the buckets up
+        pub += [f"{JS_API}.STREAM.INFO.{CLUSTER_KV_STREAM}", f"{JS_API}.STREAM.INFO.{CKPT_KV_STREAM}"]
     if r.updates_topology:
         pub += [f"{JS_API}.STREAM.UPDATE.{s}" for s in ALL_STREAMS]
     if r.writes_jobs_kv:
         pub.append(KV_SUBJECTS)
     else:
         deny.append(KV_SUBJECTS)
+    if r.writes_ckpt_kv:
+        pub.append(CKPT_KV_SUBJECTS)
+    else:
+        deny.append(CKPT_KV_SUBJECTS)
+    deny.append(CLUSTER_KV_SUBJECTS)  # the local cluster: admin's alone
     # Never for these roles, whatever the allow list grows into.
     deny += [f"{JS_API}.STREAM.DELETE.>", f"{JS_API}.STREAM.PURGE.>", f"{JS_API}.STREAM.MSG.DELETE.>"]
     if not r.updates_topology:

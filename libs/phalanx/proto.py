@@ -32,6 +32,7 @@ from phalanx.bus.subjects import (
     ACK,
     CAPACITY,
     CATALOGUE,
+    CHECKPOINT,
     COMM_ERROR,
     DECISION,
     ERROR,
@@ -46,15 +47,19 @@ from phalanx.bus.subjects import (
     NODE_LOST,
     PLAN,
     PREEMPT,
+    PROPOSAL,
     RECOVERED,
     REGISTERED,
+    SPAWN,
     Subject,
     Transport,
 )
-from phalanx.bus.topology import DUPLICATE_WINDOW_S, JOBS_BUCKET, STREAMS, StreamSpec
+from phalanx.bus.topology import CLUSTER_BUCKET, DUPLICATE_WINDOW_S, JOBS_BUCKET, STREAMS, StreamSpec
+from phalanx.cluster import ClusterState
 from phalanx.schemas import (
     Action,
     CapacityChanged,
+    CheckpointEvent,
     CollectiveError,
     DigestEntry,
     ErrorEvent,
@@ -74,12 +79,14 @@ from phalanx.schemas import (
     PlanAck,
     PlanDecision,
     PreemptionNotice,
+    Proposal,
     RankExited,
     RankFailed,
     RankHung,
     RecoveryDone,
     Registered,
     Role,
+    SpawnWorkers,
     registry,
 )
 from phalanx.schemas.codec import ENCODING, HDR_ENCODING, HDR_KIND, HDR_SCHEMA
@@ -106,7 +113,7 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # Ranks under a launcher send their heartbeats to it over a unix socket; the
     # launcher sums them up in its node digest (not a NATS subscription).
     HEARTBEAT.pattern: (("rank",), ("failure-detector",)),
-    NODE_DIGEST.pattern: (("launcher",), ("failure-detector",)),
+    NODE_DIGEST.pattern: (("launcher",), ("failure-detector", "policy")),
     REGISTERED.pattern: (("rank",), ("failure-detector", "elasticity-planner")),
     EXITED.pattern: (("launcher",), ("failure-detector", "elasticity-planner")),
     COMM_ERROR.pattern: (("rank",), ("elasticity-planner",)),
@@ -114,16 +121,20 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     HUNG.pattern: (("failure-detector",), ("elasticity-planner",)),
     NODE_LOST.pattern: (("failure-detector",), ("elasticity-planner",)),
     JOINED.pattern: (("elasticity-planner",), ("launcher",)),
-    DECISION.pattern: (("elasticity-planner",), ("launcher", "operator")),
+    DECISION.pattern: (("elasticity-planner",), ("launcher", "policy", "operator")),
     ACK.pattern: (("rank",), ("elasticity-planner",)),
-    RECOVERED.pattern: (("rank",), ("state-replication", "operator")),
+    RECOVERED.pattern: (("rank",), ("state-replication", "policy", "operator")),
+    CHECKPOINT.pattern: (("state-replication",), ("policy", "operator")),
     JOB_SPEC.pattern: (("launcher",), ("elasticity-planner",)),
     # Ranks and launchers also follow the plan in the job's KV record (phalanx_jobs/<job>.plan).
-    PLAN.pattern: (("elasticity-planner",), ("rank", "launcher", "failure-detector", "state-replication")),
-    # No Phalanx service consumes scheduler signals yet: they are there for operators
-    # and custom policies (DESIGN.md), which read PHALANX_SCHED.
-    CAPACITY.pattern: (("scheduler-signal",), ("operator",)),
-    PREEMPT.pattern: (("scheduler-signal",), ("operator",)),
+    PLAN.pattern: (
+        ("elasticity-planner",),
+        ("rank", "launcher", "failure-detector", "state-replication", "policy"),
+    ),
+    CAPACITY.pattern: (("scheduler-signal",), ("elasticity-planner", "policy", "operator")),
+    PREEMPT.pattern: (("scheduler-signal",), ("elasticity-planner", "policy", "operator")),
+    SPAWN.pattern: (("elasticity-planner",), ("launcher",)),
+    PROPOSAL.pattern: (("policy",), ("elasticity-planner",)),
     # Whoever decodes input through the bus reports what it refused.
     ERROR.pattern: (
         ("failure-detector", "elasticity-planner", "state-replication", "rank", "launcher"),
@@ -138,6 +149,8 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 # What the KV bucket's keys hold (no headers there: the reader knows the kind by the key).
 KV_RECORDS: dict[str, type[Message]] = {"<job>.plan": JobRecord}
+# The local cluster's records (phalanx.cluster): plain JSON, not messages, under the cluster's name.
+CLUSTER_RECORDS: dict[str, type[ClusterState]] = {"<cluster>": ClusterState}
 
 # The request each request/reply subject takes; its reply is ``Subject.message``.
 REQUESTS: dict[str, type[Message]] = {HEALTH.pattern: Ping}
@@ -332,8 +345,45 @@ def examples() -> dict[str, Message]:
                 "first_step": 90.0,
             },
         ),
-        CapacityChanged(cluster="local", available_slots=6, delta=-2, source="file", ts=ts),
-        PreemptionNotice(cluster="local", job="j1", workers=["w3"], deadline_s=30.0, source="file", ts=ts),
+        CapacityChanged(
+            cluster="local", available_slots=6, delta=2, source="local", ts=ts, offered={"node-b": 2}
+        ),
+        CheckpointEvent(
+            job="j1",
+            ts=ts,
+            step=1200,
+            tier="object",
+            state="complete",
+            node="node-a",
+            bytes=1 << 30,
+            seconds=21.4,
+        ),
+        PreemptionNotice(
+            cluster="local",
+            job="j1",
+            nodes=["node-b"],
+            deadline_s=10.0,
+            source="local",
+            reason="reclaim node-b",
+            ts=ts,
+        ),
+        SpawnWorkers(
+            job="j1",
+            ts=ts,
+            node="node-b",
+            launcher="node-b-1a2b3c",
+            run="r-7c41e2a9b0d3",
+            workers=["node-b-w2"],
+            reason="2 slots offered on node-b",
+        ),
+        Proposal(
+            job="j1",
+            ts=ts,
+            id="p-1",
+            policy="step-time",
+            world_size=3,
+            reason="time per sample fell 18% from 2 to 3 replicas",
+        ),
         ErrorEvent(
             service="elasticity-planner",
             subject="phalanx.evt.j1.failed",
@@ -496,7 +546,19 @@ def subjects_doc() -> dict[str, Any]:
                 "description": "Each job's record (its committed plan and the planner's state), "
                 "written only by the planner leader by compare-and-set; 'planner-leader' holds the "
                 "leader's lease (msgpack: holder, ttl_s, at).",
-            }
+            },
+            {
+                "name": CLUSTER_BUCKET,
+                "keys": {key: "cluster_state" for key in CLUSTER_RECORDS},
+                "encoding": "json",
+                "schemas": {
+                    key: cls.model_json_schema(mode="validation") for key, cls in CLUSTER_RECORDS.items()
+                },
+                "description": "The local cluster that `phalanx cluster offer/reclaim` drive: per cluster, "
+                "the worker slots each node offers beyond what its launchers started with, and the "
+                "preemptions of reclaimed nodes. Written only by admin, by compare-and-set; "
+                "scheduler-signal watches it and publishes capacity_changed / preemption_notice.",
+            },
         ],
         "subjects": subjects,
     }

@@ -24,6 +24,18 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("detect", "plan", "notify", "abort", "comm_init", "state_transfer", "data_restore", "first_step")
+RESIZE_PHASES = (
+    "signal",
+    "plan",
+    "notify",
+    "abort",
+    "comm_init",
+    "state_transfer",
+    "data_restore",
+    "first_step",
+)
+"""A planned resize (grow, shrink, preemption) has no ``detect``: its trace begins
+with the scheduler's ``signal ...`` span when a signal led to it, else with ``plan``."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,7 @@ class Incident:
     attributes: dict[str, Any]
     rows: list[PhaseRow]
     downtime_ms: float | None
+    resize: str = ""  # "grow", "shrink", ...: a planned change; "": a fault
 
 
 def _from_file(path: Path) -> list[SpanRecord]:
@@ -115,41 +128,64 @@ def load_spans(*, spans_file: str | None, jaeger_url: str | None, trace_id: str 
     return _from_file(Path(spans_file or ".phalanx/spans.jsonl"))
 
 
+def _named(spans: list[SpanRecord], phase: str) -> list[SpanRecord]:
+    return [s for s in spans if s.name == phase or s.name.startswith(phase + " ")]
+
+
 def incidents(spans: list[SpanRecord]) -> list[Incident]:
-    """Every incident (trace with a ``detect`` span), oldest first."""
+    """Every incident, oldest first: a fault (a trace with a ``detect`` span) or a
+    planned resize (a ``plan`` span marked ``phalanx.resize``)."""
     by_trace: dict[str, list[SpanRecord]] = defaultdict(list)
     for s in spans:
         by_trace[s.trace_id].append(s)
     out = []
     for tid, ss in by_trace.items():
-        detect = [s for s in ss if s.name == "detect"]
-        if not detect:
+        detect = _named(ss, "detect")
+        resized = [s for s in ss if s.name == "plan" and s.attributes.get("phalanx.resize")]
+        if not detect and not resized:
             continue
-        fault = min(s.start_ns for s in detect)
+        first_spans = detect or _named(ss, "signal") or resized
+        fault = min(s.start_ns for s in first_spans)
         rows = []
-        for phase in PHASES:
-            ps = [s for s in ss if s.name == phase]
+        for phase in PHASES if detect else RESIZE_PHASES:
+            ps = _named(ss, phase)
             if ps:
                 start, end = min(s.start_ns for s in ps), max(s.end_ns for s in ps)
                 rows.append(
                     PhaseRow(phase, (start - fault) / 1e6, (end - fault) / 1e6, (end - start) / 1e6, len(ps))
                 )
-        first = [s for s in ss if s.name == "first_step"]
-        downtime = (max(s.end_ns for s in first) - fault) / 1e6 if first else None
-        out.append(Incident(tid, fault, detect[0].attributes, rows, downtime))
+        first = _named(ss, "first_step")
+        downtime = None
+        if first and detect:
+            downtime = (max(s.end_ns for s in first) - fault) / 1e6
+        elif first:  # a resize: from the ranks leaving their last step to the first at the new size
+            left = _named(ss, "abort")
+            downtime = (max(s.end_ns for s in first) - min(s.start_ns for s in left or first)) / 1e6
+        attrs = (detect or resized)[0].attributes
+        out.append(
+            Incident(tid, fault, attrs, rows, downtime, "" if detect else str(attrs["phalanx.resize"]))
+        )
     return sorted(out, key=lambda i: i.fault_ns)
 
 
 def format_incident(inc: Incident) -> str:
     a = inc.attributes
+    who = (
+        f"planned {inc.resize}: {a.get('phalanx.reason', '')}"
+        if inc.resize
+        else f"worker {a.get('phalanx.worker', '?')} rank {a.get('phalanx.rank', '?')}  cause {a.get('phalanx.cause', '?')}"
+    )
     lines = [
-        f"trace {inc.trace_id}  incident {a.get('phalanx.incident', '?')}  "
-        f"worker {a.get('phalanx.worker', '?')} rank {a.get('phalanx.rank', '?')}  cause {a.get('phalanx.cause', '?')}",
+        f"trace {inc.trace_id}  incident {a.get('phalanx.incident', '?')}  {who}",
         f"{'phase':<16}{'start_ms':>10}{'end_ms':>10}{'dur_ms':>10}{'spans':>7}",
     ]
     for r in inc.rows:
         lines.append(f"{r.phase:<16}{r.start_ms:>10.1f}{r.end_ms:>10.1f}{r.dur_ms:>10.1f}{r.spans:>7}")
-    if inc.downtime_ms is not None:
+    if inc.downtime_ms is not None and inc.resize:
+        lines.append(
+            f"pause (ranks leave their last step -> first step at the new size): {inc.downtime_ms:.1f} ms"
+        )
+    elif inc.downtime_ms is not None:
         lines.append(f"downtime (fault -> first step done): {inc.downtime_ms:.1f} ms")
     else:
         lines.append("no first_step span yet: recovery incomplete or still exporting")

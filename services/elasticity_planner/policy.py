@@ -14,6 +14,7 @@ node; for a lost node, spares on the other nodes only.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -39,6 +40,11 @@ class NodeState:
     workers: list[str]
     ranks: int  # how many of ``workers`` started as ranks
     lost: bool = False
+    # Worker slots the job may use here: what it joined with, plus capacity the cluster
+    # offered since, minus slots whose worker crashed (not reused until offered again),
+    # 0 once the node is reclaimed. -1: not known yet (a record of an older planner).
+    slots: int = -1
+    reserve: int = 0  # hot spares the node brought: kept up by asking its launcher for more
 
 
 @dataclass
@@ -60,6 +66,11 @@ class JobState:
     broken: dict[str, str] = field(default_factory=dict)  # worker -> its failed collective, this generation
     broken_at: float = 0.0  # wall time of the first such report
     deferred: list[dict[str, Any]] = field(default_factory=list)  # incidents waiting for spares to start
+    changed_at: float = 0.0  # wall time of the last change of members (the grow cool-down)
+    offered: dict[str, int] = field(default_factory=dict)  # node -> the cluster's offer last seen
+    spawned: dict[str, float] = field(default_factory=dict)  # worker a launcher was asked to start -> when
+    notices: list[str] = field(default_factory=list)  # proposals handled (newest last)
+    sched_seq: int = 0  # the newest scheduler signal (PHALANX_SCHED sequence) this job took
 
     @property
     def generation(self) -> int:
@@ -68,6 +79,30 @@ class JobState:
     @property
     def min_world_size(self) -> int:
         return self.spec.min_world_size or self.start_world
+
+    @property
+    def max_world_size(self) -> int:
+        return max(self.spec.elastic.max_world_size or self.start_world, self.min_world_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size if self.plan else 0
+
+    def allowed(self, world: int) -> bool:
+        """Whether the job may run at ``world`` ranks (min, max, allowed sizes)."""
+        return self.min_world_size <= world <= self.max_world_size and self.spec.elastic.allowed(world)
+
+    def usable_spares(self, exclude: Collection[str] = ()) -> list[str]:
+        """Registered spares on live nodes, minus ``exclude``."""
+        return [
+            s
+            for s in self.spares
+            if s not in exclude and (n := self.node_of(s)) is not None and not self.nodes[n].lost
+        ]
+
+    def alive(self, node: str) -> list[str]:
+        """Workers of ``node`` not lost or gone (ranks, spares and those starting)."""
+        return [w for w in self.nodes[node].workers if w not in self.lost]
 
     def node_of(self, worker: str) -> str | None:
         return next((n for n, s in self.nodes.items() if worker in s.workers), None)
@@ -90,6 +125,8 @@ def state_to_dict(state: JobState) -> dict[str, Any]:
                 "workers": s.workers,
                 "ranks": s.ranks,
                 "lost": s.lost,
+                "slots": s.slots,
+                "reserve": s.reserve,
             }
             for n, s in state.nodes.items()
         },
@@ -105,6 +142,11 @@ def state_to_dict(state: JobState) -> dict[str, Any]:
         "broken": dict(state.broken),
         "broken_at": state.broken_at,
         "deferred": [dict(d) for d in state.deferred],
+        "changed_at": state.changed_at,
+        "offered": dict(state.offered),
+        "spawned": dict(state.spawned),
+        "notices": list(state.notices),
+        "sched_seq": state.sched_seq,
     }
 
 
@@ -127,6 +169,11 @@ def state_from_dict(d: dict[str, Any], plan: Plan | None) -> JobState:
         broken=dict(d.get("broken", {})),
         broken_at=float(d.get("broken_at", 0.0)),
         deferred=[dict(x) for x in d.get("deferred", ())],
+        changed_at=float(d.get("changed_at", 0.0)),
+        offered={str(k): int(v) for k, v in d.get("offered", {}).items()},
+        spawned={str(k): float(v) for k, v in d.get("spawned", {}).items()},
+        notices=list(d.get("notices", ())),
+        sched_seq=int(d.get("sched_seq", 0)),
     )
 
 
@@ -145,12 +192,24 @@ class Decision:
     members: list[Member] | None = None  # the new generation's members, when it changes
     removed: list[str] = field(default_factory=list)
     spares_used: list[str] = field(default_factory=list)
+    leaving: list[str] = field(default_factory=list)  # leave gracefully (finish the step, exit 0)
+    planned: bool = False  # switch at a step boundary, agreed in the gradient all-reduce
+    leave_by: float = 0.0  # wall time after which the leaving are fenced
 
 
 class Policy(Protocol):
     def on_fault(self, state: JobState, fault: Fault) -> Decision: ...
 
     def on_node_lost(self, state: JobState, node: str, cause: str) -> Decision: ...
+
+    def on_spares(self, state: JobState) -> Decision | None:
+        """Spares are ready and the job is running: grow (a planned GROW), or None."""
+
+    def on_preemption(self, state: JobState, workers: list[str], why: str, leave_by: float) -> Decision:
+        """The cluster takes ``workers`` back by ``leave_by``: who takes their ranks, who leaves."""
+
+    def on_proposal(self, state: JobState, world: int, why: str) -> Decision:
+        """A custom policy asks for ``world`` ranks: a planned GROW/SHRINK, or REJECT with the reason."""
 
 
 def _spares_by_preference(state: JobState, prefer: str | None, exclude: str | None = None) -> list[str]:
@@ -226,18 +285,140 @@ class ReplaceOrShrink:
             )
         order = [taken.get(m.worker, m.worker) for m in by_rank if m.worker not in lost or m.worker in taken]
         short = "no spare left" if not taken else f"only {len(taken)} spare(s) for {len(lost)} lost ranks"
-        if len(order) >= state.min_world_size:
-            members = [Member(rank=i, worker=w) for i, w in enumerate(order)]
+        size = largest_allowed(state, len(order))
+        if size is not None:
+            members = [Member(rank=i, worker=w) for i, w in enumerate(order[:size])]
+            extra = order[size:]
+            how = f"shrink to {size} ranks"
+            if extra:
+                how += f" ({len(order)} is not an allowed size: {extra} leave)"
             return Decision(
                 Action.SHRINK,
-                f"{what}, {short}: shrink to {len(order)} ranks",
+                f"{what}, {short}: {how}",
                 members=members,
                 removed=list(lost),
                 spares_used=list(taken.values()),
+                leaving=extra,
             )
         return Decision(
             Action.STOP,
             f"{what}, {short} and {len(order)} ranks is below "
-            f"min_world_size={state.min_world_size}: stopping the job",
+            f"min_world_size={state.min_world_size} (or no allowed size fits): stopping the job",
             removed=list(lost),
         )
+
+    # -- elasticity: planned changes at a step boundary ----------------------------------
+    def on_spares(self, state: JobState) -> Decision | None:
+        """Grow into registered spares up to the largest allowed size they reach."""
+        plan = state.plan
+        if plan is None or not state.spec.elastic.auto_grow:
+            return None
+        spares = state.usable_spares()
+        target = largest_allowed(state, min(state.max_world_size, plan.world_size + len(spares)))
+        if target is None or target <= plan.world_size:
+            return None
+        return self._grow(state, target, f"{len(spares)} spare(s) ready")
+
+    def on_preemption(self, state: JobState, workers: list[str], why: str, leave_by: float) -> Decision:
+        plan = state.plan
+        assert plan is not None
+        gone = set(workers)
+        members = [m.worker for m in sorted(plan.members, key=lambda m: m.rank)]
+        leaving_members = [w for w in members if w in gone]
+        leaving_spares = [w for w in workers if w in state.spares]
+        if not leaving_members:  # the spares learn it from a generation of the same members
+            return Decision(
+                Action.REFORM,
+                f"{why}: no member affected; spare(s) {leaving_spares} leave",
+                members=list(plan.members),
+                leaving=leaving_spares,
+                planned=True,
+                leave_by=leave_by,
+            )
+        spares = state.usable_spares(exclude=gone)
+        taken = dict(zip(leaving_members, spares, strict=False))
+        order = [taken.get(w, w) for w in members if w not in gone or w in taken]
+        size = largest_allowed(state, len(order))
+        if size is None:
+            return Decision(
+                Action.STOP,
+                f"{why}: {len(order)} ranks would be left, below min_world_size={state.min_world_size} "
+                "(or no allowed size fits): stopping the job",
+                leaving=[*leaving_members, *leaving_spares],
+                planned=True,
+                leave_by=leave_by,
+            )
+        extra = order[size:]
+        how = ", ".join(f"spare {s} takes {w}'s rank {plan.rank_of(w)}" for w, s in taken.items())
+        action = Action.REPLACE if size == plan.world_size and not extra else Action.SHRINK
+        reason = (
+            f"{why}: {how or 'no spare'}; {'keep' if action is Action.REPLACE else 'shrink to'} {size} ranks"
+        )
+        if extra:
+            reason += f" ({extra} leave too: {len(order)} is not an allowed size)"
+        return Decision(
+            action,
+            reason,
+            members=[Member(rank=i, worker=w) for i, w in enumerate(order[:size])],
+            spares_used=list(taken.values()),
+            leaving=[*leaving_members, *leaving_spares, *extra],
+            planned=True,
+            leave_by=leave_by,
+        )
+
+    def on_proposal(self, state: JobState, world: int, why: str) -> Decision:
+        plan = state.plan
+        if plan is None or state.phase is not JobPhase.RUNNING:
+            return Decision(
+                Action.REJECT, f"the job is {state.phase.value}, not running: propose again later"
+            )
+        now = plan.world_size
+        if world == now:
+            return Decision(Action.REJECT, f"the job already runs {now} ranks")
+        if not state.allowed(world):
+            return Decision(Action.REJECT, f"{world} ranks is not allowed: {size_rule(state)}")
+        if world > now:
+            spares = state.usable_spares()
+            if len(spares) < world - now:
+                return Decision(
+                    Action.REJECT, f"growing {now}->{world} needs {world - now} spare(s), {len(spares)} ready"
+                )
+            return self._grow(state, world, why)
+        members = [m.worker for m in sorted(plan.members, key=lambda m: m.rank)]
+        return Decision(
+            Action.SHRINK,
+            f"{why}: shrink {now}->{world}; {members[world:]} leave",
+            members=[Member(rank=i, worker=w) for i, w in enumerate(members[:world])],
+            leaving=members[world:],
+            planned=True,
+        )
+
+    @staticmethod
+    def _grow(state: JobState, target: int, why: str) -> Decision:
+        plan = state.plan
+        assert plan is not None
+        joining = state.usable_spares()[: target - plan.world_size]
+        members = sorted(plan.members, key=lambda m: m.rank)
+        members += [Member(rank=plan.world_size + i, worker=w) for i, w in enumerate(joining)]
+        return Decision(
+            Action.GROW,
+            f"{why}: grow {plan.world_size}->{target}, {joining} join",
+            members=members,
+            spares_used=joining,
+            planned=True,
+        )
+
+
+def largest_allowed(state: JobState, at_most: int) -> int | None:
+    """The largest world size the job may run at that is at most ``at_most``."""
+    return next((n for n in range(min(at_most, state.max_world_size), 0, -1) if state.allowed(n)), None)
+
+
+def size_rule(state: JobState) -> str:
+    e = state.spec.elastic
+    rule = f"min {state.min_world_size}, max {state.max_world_size}"
+    if e.sizes:
+        rule += f", sizes {e.sizes}"
+    if e.size_step > 1:
+        rule += f", multiples of {e.size_step}"
+    return rule

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import re
 import time
 import uuid
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -69,9 +70,11 @@ from phalanx.services.elasticity_planner.policy import (
     state_to_dict,
 )
 
-from phalanx.bus import COMMANDS, EVENTS, JOBS_BUCKET, Bus
+from phalanx.batchplan import plan_for
+from phalanx.bus import COMMANDS, EVENTS, JOBS_BUCKET, SCHED, Bus
 from phalanx.bus.subjects import (
     ACK,
+    CAPACITY,
     COMM_ERROR,
     DECISION,
     EXITED,
@@ -81,11 +84,18 @@ from phalanx.bus.subjects import (
     JOINED,
     NODE_LOST,
     PLAN,
+    PREEMPT,
+    PROPOSAL,
     REGISTERED,
+    SPAWN,
 )
+from phalanx.bus.topology import kv_latest
 from phalanx.runtime.addr import split_addr
+from phalanx.runtime.follow import record_key
 from phalanx.schemas import (
     Action,
+    BatchPlan,
+    CapacityChanged,
     CollectiveError,
     DecodeError,
     JobRecord,
@@ -97,11 +107,14 @@ from phalanx.schemas import (
     Plan,
     PlanAck,
     PlanDecision,
+    PreemptionNotice,
+    Proposal,
     RankExited,
     RankFailed,
     RankHung,
     Registered,
     Role,
+    SpawnWorkers,
     decode,
     encode,
     headers_for,
@@ -114,10 +127,6 @@ _tracer = trace.get_tracer("phalanx.planner")
 _ENDED = (JobPhase.STOPPED, JobPhase.COMPLETED)
 _Thunk = Callable[[], Awaitable[None]]
 Decide = Callable[[JobState | None], Awaitable[JobState | None]]
-
-
-def record_key(job: str) -> str:
-    return f"{job}.plan"
 
 
 @dataclass
@@ -159,6 +168,9 @@ class ElasticityPlanner(Service):
         self._consumers: list[asyncio.Task[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.elected_at: float | None = None  # wall time this replica last became leader
+        self.cluster_offered: dict[str, dict[str, int]] = {}  # cluster -> node -> slots offered
+        self.sched_seq = 0  # the newest scheduler signal read (stream sequence)
+        self.spawn_timeout_s = env_float("PHALANX_PLANNER_SPAWN_TIMEOUT_S", 120.0)
 
     # -- lifecycle and leadership -------------------------------------------------------
     async def start(self) -> None:
@@ -202,10 +214,14 @@ class ElasticityPlanner(Service):
             self.elected_at = time.time()
             self.log.info("planner_leader", token=token, instance=self.instance)
             await self._load_all()
+            with contextlib.suppress(Exception):  # absent: it is created reading from the start
+                await self.bus.js.delete_consumer(SCHED.name, "planner-sched")
+            self.cluster_offered.clear()
             for stream, durable in (
                 (COMMANDS, "planner-spec"),
                 (EVENTS, "planner-events"),
                 (EVENTS, "planner-comm-errors"),
+                (COMMANDS, "planner-proposals"),
             ):
                 try:
                     await self.bus.rewind(stream, durable)
@@ -219,6 +235,8 @@ class ElasticityPlanner(Service):
                     self._arm(state)
                 if state.deferred:  # ... or a wait for spares still starting
                     self._arm_spare_wait(state)
+                if state.phase is JobPhase.RUNNING and state.spares:  # ... or a grow's cool-down
+                    self._arm_cooldown(state)
             self._consumers = [
                 self.bus.consume(
                     COMMANDS,
@@ -250,6 +268,25 @@ class ElasticityPlanner(Service):
                     [COMM_ERROR.wildcard()],
                     self._on_comm_error,
                     (CollectiveError,),
+                    max_deliver=-1,
+                ),
+                self.bus.consume(
+                    COMMANDS,
+                    "planner-proposals",
+                    [PROPOSAL.wildcard()],
+                    self._on_proposal,
+                    (Proposal,),
+                    max_deliver=-1,
+                ),
+                # Signals are about the cluster, not one job. They are read from the
+                # stream's start on every election: that rebuilds the cluster's offers, and
+                # each job's record says which signals it already took (sched_seq).
+                self.bus.consume(
+                    SCHED,
+                    "planner-sched",
+                    [CAPACITY.wildcard(), PREEMPT.wildcard()],
+                    self._on_signal,
+                    (CapacityChanged, PreemptionNotice),
                     max_deliver=-1,
                 ),
             ]
@@ -305,13 +342,8 @@ class ElasticityPlanner(Service):
     async def _load_all(self) -> None:
         self.jobs.clear()
         self._revisions.clear()
-        try:
-            keys = await self.kv.keys()
-        except NoKeysError:
-            return
-        for key in keys:
-            if key.endswith(".plan"):
-                await self._load(key[: -len(".plan")])
+        for key in await kv_latest(self.bus.js, JOBS_BUCKET, "*.plan"):
+            await self._load(key[: -len(".plan")])
 
     async def _load(self, job: str) -> None:
         """Read the job's record into the planner's state (the record wins over memory)."""
@@ -392,10 +424,13 @@ class ElasticityPlanner(Service):
         raise RuntimeError(f"{job}: lost the record's compare-and-set {attempts} times in a row")
 
     @contextlib.contextmanager
-    def _plan_span(self, attributes: dict[str, str]) -> Iterator[Span]:
+    def _plan_span(self, attributes: dict[str, str], *, root: bool = False) -> Iterator[Span]:
         """The incident's ``plan`` span (fault received -> plan committed): current while
-        deciding, ended once the transaction has committed, before anything is published."""
-        span = _tracer.start_span("plan", attributes=attributes)
+        deciding, ended once the transaction has committed, before anything is published.
+        ``root``: the first span of a trace of its own (a grow: no signal or fault led to it)."""
+        span = _tracer.start_span(
+            "plan", context=otel_context.Context() if root else None, attributes=attributes
+        )
 
         async def end() -> None:
             span.end()
@@ -450,7 +485,11 @@ class ElasticityPlanner(Service):
         key = (state.spec.job, state.generation)
         if key in self._timers:
             return
-        left = max(0.0, state.broken_at + graces * self._reform_wait(state) - time.time())
+        wait = self._reform_wait(state)
+        left = state.broken_at + graces * wait - time.time()
+        # A new leader replays verdicts and reports together: a grace that ran out while
+        # nobody led must not re-form before the replayed hang or crash is read.
+        left = max(0.0, left, (self.elected_at or 0.0) + wait - time.time())
         self._timers[key] = asyncio.get_running_loop().call_later(
             left, lambda: asyncio.ensure_future(self._reform(key))
         )
@@ -513,6 +552,9 @@ class ElasticityPlanner(Service):
         if state is None or state.generation != generation or state.phase in _ENDED or state.plan is None:
             return state  # a fault explained it and was planned, or the job ended
         job = state.spec.job
+        if state.deferred:  # a fault's decision waits for spares: it, not a re-form, moves the generation
+            self.log.info("reform_skipped", job=job, generation=generation, waiting=len(state.deferred))
+            return state
         reporters = sorted(state.broken)
         incident = f"{job}:gen{generation}:collective"
         # No fault event opened this incident's trace: its detection is the grace itself.
@@ -600,7 +642,18 @@ class ElasticityPlanner(Service):
             self._later(lambda: self.bus.publish(JOINED, answer, job=msg.job))
             return prior if not state.nodes else state  # a refused first node opens no run
         workers = self._names(state, msg)
-        state.nodes[msg.node] = NodeState(msg.launcher, msg.host, msg.store_addr, workers, msg.ranks)
+        state.nodes[msg.node] = NodeState(
+            msg.launcher,
+            msg.host,
+            msg.store_addr,
+            workers,
+            msg.ranks,
+            slots=len(workers),
+            reserve=len(workers) - (0 if state.phase is not JobPhase.WAITING else msg.ranks),
+        )
+        # Offers made before this node joined are not for this job.
+        state.offered[msg.node] = self._offered_now(msg.node)
+        state.sched_seq = max(state.sched_seq, self.sched_seq)
         live = len(state.live_nodes())
         reason = f"node {msg.node} joined run {state.run} with {len(workers)} workers"
         reason += (
@@ -694,6 +747,12 @@ class ElasticityPlanner(Service):
             return state
         if msg.exit_code != 0 or msg.signal:
             state.exited.add(msg.worker)  # corroborates a silence (see _decide_reform)
+            if state.spawned.pop(msg.worker, None) is not None:  # died before it registered
+                await self._apply(
+                    state,
+                    None,
+                    Decision(Action.HOLD, f"{msg.worker} exited while starting", removed=[msg.worker]),
+                )
             return state
         if state.plan and state.plan.rank_of(msg.worker) is not None:
             state.phase = JobPhase.COMPLETED
@@ -718,9 +777,12 @@ class ElasticityPlanner(Service):
             return state  # redelivery
         rank = reg.role is Role.RANK and state.phase is JobPhase.WAITING
         (state.ranks if rank else state.spares).append(reg.worker)
+        state.spawned.pop(reg.worker, None)
         await self._maybe_start(state)
         if not rank and state.deferred:
             await self._retry_deferred(state)
+        if not rank:
+            await self._maybe_grow(state)
         return state
 
     async def _on_node_lost(self, state: JobState | None, event: NodeLost) -> JobState | None:
@@ -857,22 +919,37 @@ class ElasticityPlanner(Service):
                 and state.generation == ack.generation
             ):
                 state.phase = JobPhase.RUNNING
+                await self._maybe_grow(state)
             return state
 
         await self._txn(ack.job, running)
 
     # -- decisions -----------------------------------------------------------------
-    async def _apply(self, state: JobState, incident: str | None, d: Decision) -> None:
+    async def _apply(
+        self, state: JobState, incident: str | None, d: Decision, proposal: str | None = None
+    ) -> None:
         job = state.spec.job
         for w in d.removed:
+            if w not in state.lost and (node := state.node_of(w)) is not None:
+                # The slot of a worker that failed is not used again until the cluster
+                # offers capacity on that node again: a faulty device is not crash-looped.
+                state.nodes[node].slots = max(0, self._slots(state, node) - 1)
+            state.lost.add(w)
+            if w in state.spares:
+                state.spares.remove(w)
+        for w in d.leaving:
             state.lost.add(w)
             if w in state.spares:
                 state.spares.remove(w)
         for w in d.spares_used:
             state.spares.remove(w)
         generation = None
+        batch: BatchPlan | None = None
         if d.members is not None:
             generation = state.generation + 1
+            batch = plan_for(state.spec.elastic, state.spec.global_batch, len(d.members))
+            if state.plan is None or len(d.members) != state.plan.world_size or d.spares_used:
+                state.changed_at = time.time()
             workers = [m.worker for m in d.members] + state.spares
             plan = Plan(
                 job=job,
@@ -890,6 +967,10 @@ class ElasticityPlanner(Service):
                 lost_hosts=self._lost_hosts(state),
                 token=self.lease.check(),
                 trace=inject_headers({}),
+                planned=d.planned,
+                leaving=d.leaving,
+                leave_by=d.leave_by or (time.time() + state.spec.elastic.grace_s if d.leaving else 0.0),
+                batch=batch,
             )
             if d.action is not Action.REFORM:
                 state.reforms = 0
@@ -899,7 +980,22 @@ class ElasticityPlanner(Service):
             self._later(lambda: self._announce(plan))
         elif d.action is Action.STOP:
             state.phase = JobPhase.STOPPED
-        self._decision(state, incident, d.action, d.reason, generation, key=incident or "start")
+        reason = d.reason
+        if batch is not None and d.action is not Action.REFORM:
+            reason += f"; {batch.describe()}"
+        self._decision(
+            state,
+            incident,
+            d.action,
+            reason,
+            generation,
+            key=proposal or incident or "start",
+            world_size=len(d.members) if d.members is not None else None,
+            proposal=proposal,
+            batch=batch,
+        )
+        if state.phase not in _ENDED:
+            self._refill(state)
 
     @staticmethod
     def _lost_hosts(state: JobState) -> list[str]:
@@ -924,9 +1020,22 @@ class ElasticityPlanner(Service):
         reason: str,
         generation: int | None,
         key: str,
+        *,
+        world_size: int | None = None,
+        proposal: str | None = None,
+        batch: BatchPlan | None = None,
     ) -> None:
         job = state.spec.job
-        event = PlanDecision(job=job, incident=incident, action=action, reason=reason, generation=generation)
+        event = PlanDecision(
+            job=job,
+            incident=incident,
+            action=action,
+            reason=reason,
+            generation=generation,
+            world_size=world_size,
+            proposal=proposal,
+            batch=batch,
+        )
         msg_id = f"{job}:{state.run}:decision:{key}"
 
         async def publish() -> None:
@@ -942,6 +1051,206 @@ class ElasticityPlanner(Service):
             await self.bus.publish(DECISION, event, job=job, msg_id=msg_id)
 
         self._later(publish)
+
+    # -- elasticity: capacity, preemptions, proposals ----------------------------------
+    @staticmethod
+    def _slots(state: JobState, node: str) -> int:
+        n = state.nodes[node]
+        return len(n.workers) if n.slots < 0 else n.slots
+
+    def _offered_now(self, node: str) -> int:
+        return max((offers.get(node, 0) for offers in self.cluster_offered.values()), default=0)
+
+    def _refill(self, state: JobState) -> None:
+        """Ask launchers to start spares where the job has free slots and a use for them:
+        to grow back to its largest size, and to keep the hot spares it started with."""
+        if state.plan is None or state.phase in _ENDED:
+            return
+        now = time.time()
+        for w, at in list(state.spawned.items()):  # asked for and never registered
+            if now - at > self.spawn_timeout_s:
+                self.log.warning("spawn_timed_out", job=state.spec.job, worker=w)
+                state.spawned.pop(w)
+                state.lost.add(w)
+        reserve = sum(n.reserve for n in state.nodes.values() if not n.lost)
+        want = (
+            state.max_world_size
+            - state.world_size
+            + reserve
+            - len(state.usable_spares())
+            - len(state.spawned)
+        )
+        for node in state.live_nodes():
+            if want <= 0:
+                return
+            free = self._slots(state, node) - len(state.alive(node))
+            count = min(free, want)
+            if count <= 0:
+                continue
+            names = self._new_names(state, node, count)
+            state.nodes[node].workers.extend(names)
+            for w in names:
+                state.spawned[w] = now
+            want -= count
+            reason = f"{free} free slot(s) on {node}: start {names} as hot spare(s)"
+            n = state.nodes[node]
+            ask = SpawnWorkers(
+                job=state.spec.job,
+                node=node,
+                launcher=n.launcher,
+                run=state.run,
+                workers=names,
+                reason=reason,
+            )
+            key = f"spawn:{state.run}:{names[0]}"
+            self._later(
+                functools.partial(self.bus.publish, SPAWN, ask, job=ask.job, msg_id=f"{ask.job}:{key}")
+            )
+            self._decision(state, None, Action.SPAWN, reason, None, key=key)
+
+    @staticmethod
+    def _new_names(state: JobState, node: str, count: int) -> list[str]:
+        """Fresh worker names on ``node`` (never reused within the run)."""
+        first = state.nodes[node].workers[0] if state.nodes[node].workers else f"{node}-w0"
+        stem = re.sub(r"\d+$", "", first)
+        used = {w for s in state.nodes.values() for w in s.workers}
+        taken = [int(m.group(1)) for w in used if (m := re.fullmatch(re.escape(stem) + r"(\d+)", w))]
+        start = max(taken, default=-1) + 1
+        return [f"{stem}{start + i}" for i in range(count)]
+
+    async def _maybe_grow(self, state: JobState) -> None:
+        """Grow into ready spares, once the job runs and the cool-down after its last
+        change is over (a timer comes back for it)."""
+        if state.phase is not JobPhase.RUNNING or state.deferred or not state.usable_spares():
+            return
+        left = state.changed_at + state.spec.elastic.cooldown_s - time.time()
+        decision = self.policy.on_spares(state)
+        if decision is None:
+            return
+        if left > 0:
+            self._arm_cooldown(state)
+            return
+        await self._resize(state, "grow", decision)
+
+    async def _resize(
+        self, state: JobState, kind: str, decision: Decision, proposal: str | None = None
+    ) -> None:
+        """Apply a planned change as an incident of its own (its trace: plan, notify, the ranks' phases)."""
+        job = state.spec.job
+        incident = f"{job}:{kind}:gen{state.generation + 1}"
+        attributes = {
+            "phalanx.job": job,
+            "phalanx.incident": incident,
+            "phalanx.cause": kind,
+            "phalanx.resize": kind,
+        }
+        # A preemption's trace begins with the signal, a proposal's with the policy's
+        # publish; a grow of the planner's own starts a trace of its own.
+        with self._plan_span(attributes, root=kind == "grow" and proposal is None) as span:
+            span.set_attribute("phalanx.action", decision.action.value)
+            span.set_attribute("phalanx.reason", decision.reason)
+            await self._apply(state, incident if decision.members is not None else None, decision, proposal)
+
+    def _arm_cooldown(self, state: JobState) -> None:
+        key = (state.spec.job, "cooldown")
+        if key in self._waits:
+            return
+        left = max(0.0, state.changed_at + state.spec.elastic.cooldown_s - time.time()) + 0.01
+
+        async def over() -> None:
+            async with self._lock:
+                self._waits.pop(key, None)
+
+                async def grow(st: JobState | None) -> JobState | None:
+                    if st is not None:
+                        await self._maybe_grow(st)
+                    return st
+
+                try:
+                    await self._txn(key[0], grow)
+                except Exception as exc:  # KV away or deposed: the next trigger (or leader) grows
+                    self.log.error("cooldown_grow_failed", job=key[0], error=repr(exc))
+
+        self._waits[key] = asyncio.get_running_loop().call_later(left, lambda: asyncio.ensure_future(over()))
+
+    async def _on_signal(self, msg: Message, raw: Msg) -> None:
+        assert isinstance(msg, CapacityChanged | PreemptionNotice)
+        seq = raw.metadata.sequence.stream if raw.metadata and raw.metadata.sequence else 0
+        async with self._lock:
+            self.sched_seq = max(self.sched_seq, seq)
+            if isinstance(msg, CapacityChanged):
+                self.cluster_offered[msg.cluster] = dict(msg.offered)
+            for job in list(self.jobs):
+                await self._txn(job, lambda state: self._signal_for(state, msg, seq))
+
+    async def _signal_for(
+        self, state: JobState | None, msg: CapacityChanged | PreemptionNotice, seq: int
+    ) -> JobState | None:
+        if state is None or state.phase in _ENDED or seq <= state.sched_seq:
+            return state
+        state.sched_seq = seq
+        if isinstance(msg, CapacityChanged):
+            for node, offered in msg.offered.items():
+                if node not in state.nodes or state.nodes[node].lost:
+                    continue
+                delta = offered - state.offered.get(node, 0)
+                state.offered[node] = offered
+                if delta > 0:
+                    state.nodes[node].slots = self._slots(state, node) + delta
+                    self.log.info("capacity_offered", job=state.spec.job, node=node, slots=delta)
+            self._refill(state)
+            return state
+        if msg.job is not None and msg.job != state.spec.job:
+            return state
+        workers = [w for w in msg.workers if state.node_of(w) is not None]
+        for node in msg.nodes:
+            if node in state.nodes:
+                state.nodes[node].slots = 0  # reclaimed: nothing is started there again
+                workers += state.alive(node)
+        for w in msg.workers:  # a pod taken away: its slot goes with it
+            if (node := state.node_of(w)) is not None and w not in state.lost:
+                state.nodes[node].slots = max(0, self._slots(state, node) - 1)
+        workers = [w for w in dict.fromkeys(workers) if w not in state.lost]
+        if not workers or state.plan is None:
+            return state
+        for w in workers:
+            state.spawned.pop(w, None)
+        leave_by = msg.ts + msg.deadline_s
+        what = msg.reason or f"preemption by {msg.source}"
+        why = f"{what}: {workers} must leave within {max(0.0, leave_by - time.time()):.1f}s"
+        decision = self.policy.on_preemption(state, workers, why, leave_by)
+        await self._resize(state, "shrink" if decision.action is Action.SHRINK else "preempt", decision)
+        return state
+
+    async def _on_proposal(self, msg: Message, raw: Msg) -> None:
+        assert isinstance(msg, Proposal)
+        async with self._lock:
+            if msg.job not in self.jobs:
+                await self._refuse(raw.subject, msg, f"job {msg.job} is not known to the planner")
+                return
+
+            async def decide(state: JobState | None) -> JobState | None:
+                if state is None or f"proposal:{msg.id}" in state.notices:
+                    return state  # a redelivery
+                state.notices = [*state.notices[-63:], f"proposal:{msg.id}"]
+                why = f"policy {msg.policy}: {msg.reason or 'proposed'}"
+                decision = self.policy.on_proposal(state, msg.world_size, why)
+                if decision.action is Action.GROW:
+                    left = state.changed_at + state.spec.elastic.cooldown_s - time.time()
+                    if left > 0:
+                        decision = Decision(
+                            Action.REJECT, f"{why}: in the cool-down after the last change ({left:.1f}s left)"
+                        )
+                if decision.members is None:
+                    reason = f"proposal {msg.id} ({msg.world_size} ranks) rejected: {decision.reason}"
+                    self._decision(
+                        state, None, Action.REJECT, reason, None, key=f"proposal:{msg.id}", proposal=msg.id
+                    )
+                    return state
+                await self._resize(state, decision.action.value, decision, proposal=msg.id)
+                return state
+
+            await self._txn(msg.job, decide)
 
     # -- telling the members -------------------------------------------------------------
     def _track(self, plan: Plan, sent_at: float) -> None:

@@ -8,9 +8,12 @@ once. What was already published is read back from the stream (the last capacity
 per cluster, the ids of the preemptions announced) the first time a cluster is
 seen.
 
-Environment: ``PHALANX_CLUSTER_FILE`` (and ``PHALANX_CLUSTER_POLL_S``, default
+Environment: the local cluster (the ``phalanx_cluster`` KV bucket that ``phalanx
+cluster`` writes, :mod:`phalanx.services.scheduler_signal.local`) is watched unless
+``PHALANX_LOCAL_CLUSTER=0``; ``PHALANX_CLUSTER_FILE`` (and ``PHALANX_CLUSTER_POLL_S``, default
 0.5) for the simulated cluster; in a pod or with ``PHALANX_K8S=1`` the Kubernetes
-watcher (see :class:`~phalanx.services.scheduler_signal.sources.KubeConfig`).
+watcher (see :mod:`phalanx.services.scheduler_signal.kube` and its
+:class:`~phalanx.services.scheduler_signal.kube.KubeConfig`).
 """
 
 from __future__ import annotations
@@ -21,14 +24,9 @@ import os
 
 from nats.js.errors import NotFoundError
 from opentelemetry import trace
-from phalanx.services.scheduler_signal.sources import (
-    FileClusterSource,
-    KubeConfig,
-    KubeWatchSource,
-    Ledger,
-    Signal,
-    Source,
-)
+from phalanx.services.scheduler_signal.kube import KubeConfig, KubeWatchSource
+from phalanx.services.scheduler_signal.local import KvClusterSource
+from phalanx.services.scheduler_signal.sources import FileClusterSource, Ledger, Signal, Source
 
 from phalanx.bus import SCHED, Bus
 from phalanx.bus.subjects import CAPACITY, PREEMPT
@@ -45,7 +43,7 @@ class StreamHistory:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
 
-    async def last_capacity(self, cluster: str) -> int | None:
+    async def last_capacity(self, cluster: str) -> CapacityChanged | None:
         try:
             raw = await self.bus.js.get_last_msg(SCHED.name, CAPACITY.format(cluster=cluster))
         except NotFoundError:
@@ -55,7 +53,7 @@ class StreamHistory:
         except DecodeError as err:
             self.bus.log.warning("bad_capacity_in_stream", cluster=cluster, reason=err.reason)
             return None
-        return msg.available_slots
+        return msg
 
     async def announced(self, cluster: str) -> set[str]:
         subject = PREEMPT.format(cluster=cluster)
@@ -75,6 +73,8 @@ def sources_from_env(bus: Bus) -> list[Source]:
     """The sources the environment asks for (possibly none)."""
     history = StreamHistory(bus)
     sources: list[Source] = []
+    if os.environ.get("PHALANX_LOCAL_CLUSTER", "1").strip().lower() not in ("0", "false", "no", "off"):
+        sources.append(KvClusterSource(bus, Ledger(history, "local")))
     path = os.environ.get("PHALANX_CLUSTER_FILE")
     if path:
         poll = env_float("PHALANX_CLUSTER_POLL_S", 0.5)
@@ -96,7 +96,10 @@ class SchedulerSignal(Service):
 
     async def start(self) -> None:
         if not self.sources:
-            self.log.warning("no_sources", hint="set PHALANX_CLUSTER_FILE, or PHALANX_K8S=1 / run in a pod")
+            self.log.warning(
+                "no_sources",
+                hint="unset PHALANX_LOCAL_CLUSTER=0, set PHALANX_CLUSTER_FILE, or PHALANX_K8S=1 / run in a pod",
+            )
         for src in self.sources:
             self._tasks.append(asyncio.create_task(self._run(src), name=f"source:{src.name}"))
         self.log.info("sources_started", sources=[s.name for s in self.sources])
@@ -138,7 +141,9 @@ class SchedulerSignal(Service):
                 cluster=msg.cluster,
                 job=msg.job,
                 workers=msg.workers,
+                nodes=msg.nodes,
                 deadline_s=msg.deadline_s,
+                reason=msg.reason,
                 source=msg.source,
                 msg_id=sig.msg_id,
             )

@@ -1,6 +1,8 @@
-"""state-replication: the per-node keeper of in-memory state snapshots.
+"""state-replication: each node's checkpoint keeper (phalanx.checkpoint.keeper).
 
-It follows every job's plans and recoveries (durable consumers, one set per
-node), which is what it will act on to replicate snapshots to peer nodes, serve
-recovering ranks and drain to the disk/shared/object tiers.
+It takes the snapshots the node's ranks leave in shared memory, replicates them
+to keepers on other nodes over TCP, drains them to local disk, a shared path and
+object storage, records every copy in the ``phalanx_ckpt`` KV bucket, and serves
+restores from the fastest tier holding a good copy. It also follows every job's
+plans and recoveries (durable consumers, one set per node).
 """

@@ -9,33 +9,81 @@ sees every message, and a restarted keeper resumes where it stopped):
   finished its first step in a generation, so transfers for it are over.
 
 Each message is handled in the consumer span of its trace (so it joins the
-incident's trace) and recorded in :class:`JobView`. Snapshot replication, serving
-recovering ranks and tier draining hook in at :meth:`StateReplication.on_plan`
-and :meth:`StateReplication.on_recovery_done`.
+incident's trace) and recorded in :class:`JobView`.
 
-Environment: ``PHALANX_NODE`` (default: the host name) names the node.
+It runs the node's checkpoint keeper (:mod:`phalanx.checkpoint.keeper`): it takes
+the snapshots ranks leave in shared memory, replicates them to peer keepers,
+drains them through the tiers and serves restores. Environment (a bad value is
+refused at start):
+
+- ``PHALANX_NODE`` (default: the host name) names the node;
+- ``PHALANX_SHM_ROOT`` (``/dev/shm/phalanx``): the shared memory ranks and keeper share;
+- ``PHALANX_KEEPER_HOST`` (``127.0.0.1``) and ``PHALANX_KEEPER_PORT`` (0: any): where
+  peers reach this keeper (use the node's address on a multi-node job);
+- ``PHALANX_CKPT_REPLICAS`` (1): peer keepers that get each snapshot;
+- ``PHALANX_CKPT_DISK``, ``PHALANX_CKPT_SHARED``: the local-disk and shared file
+  system tiers (a directory each; unset: no such tier), ``PHALANX_CKPT_OBJECT``:
+  ``s3://bucket[/prefix]`` (with the usual ``AWS_*`` variables);
+- ``PHALANX_CKPT_KEEP_MEMORY`` / ``_DISK`` / ``_SHARED`` / ``_OBJECT``: retention,
+  ``N`` or ``last=N,every=M`` (defaults 2, 5, 5, 3);
+- ``PHALANX_CKPT_FSYNC`` (1): fsync each file written to disk and shared tiers.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from phalanx.bus import COMMANDS, EVENTS, Bus
 from phalanx.bus.subjects import PLAN, RECOVERED
+from phalanx.checkpoint.keeper import Keeper, KeeperConfig
+from phalanx.checkpoint.slots import node_name, shm_root
+from phalanx.checkpoint.tiers import RetentionPolicy, Tier
 from phalanx.schemas import Message, Plan, RecoveryDone
 from phalanx.service import Service
 
 
-def node_name() -> str:
-    """This keeper's node, usable in a consumer name (letters, digits, '_' and '-')."""
-    raw = os.environ.get("PHALANX_NODE") or socket.gethostname()
-    return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[:48] or "node"
+def keeper_config(node: str) -> KeeperConfig:
+    """The keeper's configuration from the environment; ValueError naming a bad variable."""
+
+    def path(name: str) -> Path | None:
+        raw = os.environ.get(name, "").strip()
+        return Path(raw) if raw else None
+
+    def whole(name: str, default: int, low: int) -> int:
+        raw = os.environ.get(name, "").strip()
+        try:
+            value = int(raw) if raw else default
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise ValueError(f"{name} must be a whole number >= {low}, got {raw!r}")
+        return value
+
+    cfg = KeeperConfig(
+        node=node,
+        shm_root=shm_root(),
+        disk_root=path("PHALANX_CKPT_DISK"),
+        shared_root=path("PHALANX_CKPT_SHARED"),
+        object_url=os.environ.get("PHALANX_CKPT_OBJECT", "").strip() or None,
+        host=os.environ.get("PHALANX_KEEPER_HOST", "").strip() or "127.0.0.1",
+        port=whole("PHALANX_KEEPER_PORT", 0, 0),
+        replicas=whole("PHALANX_CKPT_REPLICAS", 1, 0),
+        fsync=whole("PHALANX_CKPT_FSYNC", 1, 0) > 0,
+    )
+    for tier in Tier:
+        name = f"PHALANX_CKPT_KEEP_{tier.name}"
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            try:
+                cfg.retention[tier] = RetentionPolicy.parse(raw)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+    return cfg
 
 
 @dataclass
@@ -50,9 +98,10 @@ class JobView:
 class StateReplication(Service):
     name = "state-replication"
 
-    def __init__(self, bus: Bus, node: str | None = None) -> None:
+    def __init__(self, bus: Bus, node: str | None = None, keeper: KeeperConfig | None = None) -> None:
         super().__init__(bus)
         self.node = node or node_name()
+        self.keeper = Keeper(bus, keeper or keeper_config(self.node))
         self.jobs: dict[str, JobView] = {}
         self.plans = 0
         self.recoveries = 0
@@ -73,6 +122,11 @@ class StateReplication(Service):
             deliver_new=True,
         )
         self.log.info("following", node=self.node, durables=list(self.durables))
+        await self.keeper.start()
+
+    async def stop(self) -> None:
+        await self.keeper.stop()
+        await super().stop()
 
     async def _on_plan(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, Plan)
@@ -135,4 +189,5 @@ class StateReplication(Service):
             "stale_plans": self.stale,
             "recoveries": self.recoveries,
             "consumers": ",".join(self.durables),
+            **self.keeper.health(),
         }

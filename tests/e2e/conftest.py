@@ -4,28 +4,20 @@ of the example GPT under the launcher."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from examples.train_gpt import SMALL
 from examples.train_gpt import command as train_command
 from phalanx.localstack import JobResult, LocalStack
+from phalanx.netns import NetnsCluster
 
 STEPS = 16
-SMALL_GPT = [
-    "--n-layer",
-    "2",
-    "--n-embd",
-    "64",
-    "--seq-len",
-    "64",
-    "--global-batch",
-    "12",
-    "--micro-batch",
-    "2",
-]
+SMALL_GPT = SMALL
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +38,17 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         # data order and prepared shards in the test's own directory, not /dev/shm
         "PHALANX_DATA_CACHE_DIR": str(tmp_path_factory.mktemp("datacache")),
     }
+
+
+@contextlib.contextmanager
+def netns_cluster(nodes: list[str]) -> Iterator[NetnsCluster]:
+    """One network namespace per node (bridged, torn down after); the test is skipped,
+    with the reason, where namespaces cannot be made."""
+    ok, why = NetnsCluster.available()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    with NetnsCluster(nodes) as cl:
+        yield cl
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from phalanx.bus.subjects import RECOVERED
 from phalanx.localstack import LocalStack
 from phalanx.schemas import Action, JobRecord, Plan, RecoveryDone, decode, headers_for
 from tests.e2e.conftest import Reference, RunJob, runner, stack_env
-from tests.e2e.test_recovery import actions, assert_bitwise_equal, assert_recovered
+from tests.e2e.test_recovery import actions, assert_bitwise_equal, assert_recovered, story
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def test_the_standby_planner_completes_a_recovery_whose_leader_was_killed(
     )
     killed.join(5)
     assert ha_stack.procs[leader].poll() is not None, "the leader was not killed"
-    assert actions(result) == [Action.START, Action.REPLACE]
+    assert actions(result) == [Action.START, Action.REPLACE], story(result)
     gen1, gen2 = result.plans[0], result.plans[-1]
     assert gen2.generation == 2 and gen2.rank_of("w3") == 1 and gen2.token > gen1.token
     assert_recovered(result, generation=2)

@@ -24,8 +24,8 @@ from examples.train_gpt import command as train_command
 from phalanx.localstack import JobResult, LocalStack
 from phalanx.netns import NetnsCluster
 from phalanx.schemas import Action, Plan
-from tests.e2e.conftest import SMALL_GPT, STEPS
-from tests.e2e.test_recovery import actions, assert_bitwise_equal
+from tests.e2e.conftest import SMALL_GPT, STEPS, netns_cluster, stack_env
+from tests.e2e.test_recovery import actions, assert_bitwise_equal, story
 
 pytestmark = pytest.mark.slow
 
@@ -36,25 +36,16 @@ LAYOUT = {"a": (2, 1), "b": (1, 1), "c": (1, 1)}
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[NetnsCluster]:
-    ok, why = NetnsCluster.available()
-    if not ok:
-        pytest.skip(f"network namespaces unavailable: {why}")
-    with NetnsCluster(NODES) as cl:
+    with netns_cluster(NODES) as cl:
         yield cl
 
 
 @pytest.fixture(scope="module")
 def mstack(cluster: NetnsCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    env = {
-        "PHALANX_STALL_FLOOR_MS": "1500",
-        "PHALANX_STALL_INITIAL_MS": "10000",
-        "PHALANX_PLANNER_COMM_GRACE_S": "1.0",
-        "PHALANX_DATA_CACHE_DIR": str(tmp_path_factory.mktemp("datacache-mn")),
-    }
     with LocalStack(
         tmp_path_factory.mktemp("mstack"),
         services=("failure-detector", "elasticity-planner"),
-        env=env,
+        env=stack_env(tmp_path_factory),
         cluster=cluster,
     ) as s:
         yield s
@@ -140,8 +131,8 @@ def test_node_hosting_the_store_killed_moves_the_rendezvous(
     assert len(result.node_losses) == 1, result.node_losses
     lost = result.node_losses[0].node
     first, last = result.plans[0], final(result)
-    assert node_of_store(cluster, first) == lost
-    assert node_of_store(cluster, last) != lost and last.store_addr != first.store_addr
+    assert node_of_store(cluster, first) == lost, story(result)
+    assert node_of_store(cluster, last) != lost and last.store_addr != first.store_addr, story(result)
     assert all(rc == 0 for n, rc in result.node_returncodes.items() if n != lost), result.node_returncodes
     assert_bitwise_equal(weights, reference4)
 

@@ -33,8 +33,13 @@ def actions(result: JobResult) -> list[Action]:
     return [
         d.action
         for d in result.decisions
-        if d.action not in (Action.JOIN, Action.COMPLETE) and "still starting" not in d.reason
+        if d.action not in (Action.JOIN, Action.COMPLETE, Action.SPAWN) and "still starting" not in d.reason
     ]
+
+
+def story(result: JobResult) -> str:
+    """Every decision of the run, one per line: what an assertion shows when it fails."""
+    return "\n".join(f"gen {d.generation} {d.action.value}: {d.reason}" for d in result.decisions)
 
 
 def assert_recovered(result: JobResult, generation: int, nproc: int = 3) -> None:

@@ -1,12 +1,16 @@
-"""What the planner tests share: a watcher of the job's plans and decisions, a
-node's launcher joining (spec, answer, registrations), and a crash verdict."""
+"""What the planner tests share: a planner service in the test's loop, a watcher of
+the job's plans and decisions, a node's launcher joining (spec, answer,
+registrations), and a crash verdict."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 
 from nats.aio.msg import Msg
+from phalanx.services.elasticity_planner.service import ElasticityPlanner
 
 from phalanx.bus import Bus
 from phalanx.bus.subjects import JOB_SPEC, JOINED, REGISTERED
@@ -21,8 +25,21 @@ from phalanx.schemas import (
     Role,
     decode,
 )
+from phalanx.service import run_service
 
 JOB = "pj"
+
+
+@contextlib.asynccontextmanager
+async def planner(url: str) -> AsyncIterator[None]:
+    """The elasticity-planner service, run as ``phalanx service`` runs it, until the block ends."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_service(ElasticityPlanner, url=url, stop=stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
 
 
 class Watcher:

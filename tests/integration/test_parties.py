@@ -57,7 +57,7 @@ TOKENS = {"job": JOB, "worker": WORKER, "node": "n1", "cluster": "c1"}
 WAIT_S = 10.0
 
 PARTY_NAMES = sorted(
-    {p for senders, receivers in PARTIES.values() for p in (*senders, *receivers)} - {"operator"}
+    {p for senders, receivers in PARTIES.values() for p in (*senders, *receivers)} - {"operator", "policy"}
 )
 
 

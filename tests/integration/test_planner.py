@@ -5,12 +5,9 @@ handling of redelivered faults, and refusal of faults it cannot place."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 from nats.aio.msg import Msg
-from phalanx.services.elasticity_planner.service import ElasticityPlanner
 
 from phalanx.bus import JOBS_BUCKET, Bus
 from phalanx.bus.subjects import (
@@ -37,19 +34,7 @@ from phalanx.schemas import (
     decode,
     headers_for,
 )
-from phalanx.service import run_service
-from tests.integration.planning import JOB, Watcher, failed, join, start_job
-
-
-@contextlib.asynccontextmanager
-async def planner(url: str) -> AsyncIterator[None]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_service(ElasticityPlanner, url=url, stop=stop))
-    try:
-        yield
-    finally:
-        stop.set()
-        await task
+from tests.integration.planning import JOB, Watcher, failed, join, planner, start_job
 
 
 async def test_replace_survives_a_planner_restart(nats_url: str, bus: Bus, watcher: Watcher) -> None:
@@ -343,14 +328,20 @@ async def _register(bus: Bus, run: str, worker: str, role: Role, pid: int) -> No
     await bus.publish(REGISTERED, reg, job=JOB, msg_id=f"reg-{run}-{worker}")
 
 
+async def _two_ranks_and_a_spare_starting(bus: Bus, watcher: Watcher) -> str:
+    """Ranks w0, w1 registered and started; the spare w2 still warming up. Returns the run."""
+    run = (await join(bus, 2, 1, register=False)).run
+    await _register(bus, run, "w0", Role.RANK, 100)
+    await _register(bus, run, "w1", Role.RANK, 101)
+    await watcher.wait_for(lambda: len(watcher.plans) == 1)
+    return run
+
+
 async def test_a_fault_before_the_spare_registered_waits_for_it(
     nats_url: str, bus: Bus, watcher: Watcher
 ) -> None:
     async with planner(nats_url):
-        run = (await join(bus, 2, 1, register=False)).run
-        await _register(bus, run, "w0", Role.RANK, 100)
-        await _register(bus, run, "w1", Role.RANK, 101)
-        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        run = await _two_ranks_and_a_spare_starting(bus, watcher)
         event = failed("w1", 1)  # in the first step: the spare w2 is still warming up
         await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
         await watcher.wait_for(lambda: any(d.action is Action.HOLD for d in watcher.decisions))
@@ -363,15 +354,34 @@ async def test_a_fault_before_the_spare_registered_waits_for_it(
     assert Action.STOP not in [d.action for d in watcher.decisions]
 
 
+async def test_failed_collectives_do_not_re_form_while_a_fault_waits_for_a_spare(
+    nats_url: str, bus: Bus, watcher: Watcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fault's decision (HOLD until the spare registers) will move the generation:
+    # the survivor's failed collectives must not re-form the group with the dead rank.
+    monkeypatch.setenv("PHALANX_PLANNER_COMM_GRACE_S", "0.2")
+    async with planner(nats_url):
+        run = await _two_ranks_and_a_spare_starting(bus, watcher)
+        event = failed("w1", 1)
+        await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
+        await watcher.wait_for(lambda: any(d.action is Action.HOLD for d in watcher.decisions))
+        await bus.publish(COMM_ERROR, comm_error("w0", 0, run), job=JOB)
+        await asyncio.sleep(1.0)  # both graces (0.2 s each) are long over
+        assert {p.generation for p in watcher.plans} == {1}
+        await _register(bus, run, "w2", Role.SPARE, 102)
+        await watcher.wait_for(lambda: any(p.generation == 2 for p in watcher.plans))
+        await asyncio.sleep(0.5)
+    assert Action.REFORM not in [d.action for d in watcher.decisions]
+    assert {p.generation for p in watcher.plans} == {1, 2}
+    assert next(p for p in watcher.plans if p.generation == 2).rank_of("w2") == 1
+
+
 async def test_a_spare_that_never_registers_is_waited_for_only_so_long(
     nats_url: str, bus: Bus, watcher: Watcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PHALANX_PLANNER_SPARE_WAIT_S", "0.3")
     async with planner(nats_url):
-        run = (await join(bus, 2, 1, register=False)).run
-        await _register(bus, run, "w0", Role.RANK, 100)
-        await _register(bus, run, "w1", Role.RANK, 101)
-        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        await _two_ranks_and_a_spare_starting(bus, watcher)
         event = failed("w1", 1)
         await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
         await watcher.wait_for(lambda: any(d.action is Action.STOP for d in watcher.decisions))

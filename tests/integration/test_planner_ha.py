@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 from nats.js.errors import KeyWrongLastSequenceError
 from phalanx.services.elasticity_planner.lease import NotLeader
-from phalanx.services.elasticity_planner.service import ElasticityPlanner, record_key
+from phalanx.services.elasticity_planner.service import ElasticityPlanner
 
 from phalanx.bus import JOBS_BUCKET, Bus
-from phalanx.bus.subjects import ACK, FAILED, NODE_LOST, REGISTERED
+from phalanx.bus.subjects import ACK, COMM_ERROR, FAILED, NODE_LOST, REGISTERED
+from phalanx.runtime.follow import record_key
 from phalanx.schemas import (
     Action,
+    CollectiveError,
     FaultCause,
     JobRecord,
     NodeLost,
@@ -342,3 +344,35 @@ async def test_a_wait_for_spares_outlives_the_leader(
     assert [d.action for d in watcher.decisions if d.incident == event.incident] == [Action.HOLD, Action.STOP]
     last = (await _history(bus))[-1]
     assert last.token == b.lease.token and last.planner["phase"] == "stopped"  # decided by the new leader
+
+
+async def test_a_new_leader_reads_the_verdict_before_re_forming_a_broken_group(
+    nats_url: str,
+    bus: Bus,
+    watcher: Watcher,
+    replicas: list[ElasticityPlanner],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The leader recorded the peers' failed collectives, then died; w1's crash verdict
+    # reached the stream after that; the next leader comes up after the re-form grace
+    # ran out. It must read the verdict (replace w1) before re-forming the same members.
+    monkeypatch.setenv("PHALANX_PLANNER_COMM_GRACE_S", "0.5")
+    a = await _planner(nats_url, "planner-a")
+    run = (await start_job(bus)).run
+    await watcher.wait_for(lambda: len(watcher.plans) == 1)
+    for worker, rank in (("w0", 0), ("w2", 2)):
+        err = CollectiveError(
+            job=JOB, worker=worker, rank=rank, generation=1, step=4, error="Connection reset", launch=run
+        )
+        await bus.publish(COMM_ERROR, err, job=JOB)
+    await _until(lambda: (s := a.jobs.get(JOB)) is not None and len(s.broken) == 2, timeout=5)
+    await _close(a)  # within the first grace: a decided nothing
+    event = failed("w1", 1)
+    await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
+    await asyncio.sleep(1.5)  # both graces of the broken generation are over
+    replicas.append(await _planner(nats_url, "planner-b"))
+    await watcher.wait_for(lambda: any(p.generation == 2 for p in watcher.plans))
+    await asyncio.sleep(1.0)  # a re-form, had one been armed, would have come by now
+    assert [d.action for d in watcher.decisions if d.generation and d.generation > 1] == [Action.REPLACE]
+    assert {p.generation for p in watcher.plans} == {1, 2}
+    assert next(p for p in watcher.plans if p.generation == 2).rank_of("w3") == 1

@@ -28,6 +28,7 @@ from phalanx.bus.subjects import (
     ACK,
     CAPACITY,
     CATALOGUE,
+    CHECKPOINT,
     COMM_ERROR,
     DECISION,
     ERROR,
@@ -42,8 +43,10 @@ from phalanx.bus.subjects import (
     NODE_LOST,
     PLAN,
     PREEMPT,
+    PROPOSAL,
     RECOVERED,
     REGISTERED,
+    SPAWN,
     Subject,
 )
 from phalanx.natsauth import (
@@ -64,12 +67,13 @@ from phalanx.natsauth import (
 from phalanx.proto import PARTIES
 
 EXPECTED: dict[str, set[Subject]] = {
-    "planner": {PLAN, DECISION, JOINED},
+    "planner": {PLAN, DECISION, JOINED, SPAWN},
     "detector": {FAILED, HUNG, NODE_LOST},
     "launcher": {JOB_SPEC, EXITED, NODE_DIGEST, ERROR},  # ERROR: as launcher-<job>-<node>
     "rank": {HEARTBEAT, REGISTERED, ACK, COMM_ERROR, RECOVERED, ERROR},  # ERROR: as rank-<worker>
     "scheduler": {CAPACITY, PREEMPT},
-    "replication": set(),
+    "policy": {PROPOSAL},
+    "replication": {CHECKPOINT},
     "observer": set(),
     "admin": set(CATALOGUE),
 }
@@ -165,7 +169,7 @@ def test_consumers_only_on_the_streams_a_role_consumes(role: str) -> None:
         "PHALANX_EVT": may_publish(perms, "$JS.API.CONSUMER.MSG.NEXT.PHALANX_EVT.planner-events"),
         "PHALANX_CMD": may_publish(perms, "$JS.API.CONSUMER.MSG.NEXT.PHALANX_CMD.planner-spec"),
     }
-    consumes = role in ("planner", "detector", "replication", "observer", "admin")
+    consumes = role in ("planner", "detector", "replication", "policy", "observer", "admin")
     assert pulls == {"PHALANX_EVT": consumes, "PHALANX_CMD": consumes}
     assert may_publish(perms, "$JS.ACK.PHALANX_EVT.planner-events.1.2.3.4.5") == consumes
 
@@ -268,7 +272,7 @@ def test_a_worker_heartbeats_and_reports_only_as_itself() -> None:
 @pytest.mark.parametrize("role", ["launcher", "rank"])
 def test_a_jobs_user_reads_only_its_job(role: str) -> None:
     perms = permissions(role, job="j1", worker="w0" if role == "rank" else None)
-    receives = {PLAN} if role == "rank" else {PLAN, DECISION, JOINED}
+    receives = {PLAN} if role == "rank" else {PLAN, DECISION, JOINED, SPAWN}
     for subject in CATALOGUE:
         assert may_subscribe(perms, _in_job(subject, "j1")) == (subject in receives), subject.pattern
         assert not may_subscribe(perms, _in_job(subject, "j2")), subject.pattern
@@ -394,7 +398,7 @@ def test_the_cli_writes_a_jobs_users(tmp_path: Path, capsys: pytest.CaptureFixtu
     args = ["write", "--config", str(tmp_path / "nats.conf"), "--env-dir", str(tmp_path / "env")]
     assert main([*args, "--job", "demo:node-a-w0,node-a-w1", "--job", "other"]) == 0
     envs = sorted(p.name for p in (tmp_path / "env").iterdir())
-    services = ["admin", "detector", "observer", "planner", "replication", "scheduler"]
+    services = ["admin", "detector", "observer", "planner", "policy", "replication", "scheduler"]
     assert envs == sorted([*(f"{r}.env" for r in services), "launcher-demo.env", "launcher-other.env"])
     conf = (tmp_path / "nats.conf").read_text()
     for user in (

@@ -149,7 +149,7 @@ def test_check_reports_drift_and_write_repairs_it(tmp_path: Path, capsys: pytest
 
     assert proto.main(["check", str(root)]) == 1
     err = capsys.readouterr().err
-    assert "plan.json" in err and '-      "minimum": 0' in err and '+      "minimum": 1' in err
+    assert "plan.json" in err and '"minimum": 0' in err and '"minimum": 1' in err
     assert "missing:" in err and "heartbeat.json" in err
     assert "stale" in err and "gone.json" in err
     assert "make proto" in err
@@ -302,9 +302,10 @@ def test_asyncapi_says_who_sends_and_receives_scheduler_signals() -> None:
     doc = json.loads((ROOT / "asyncapi.json").read_text())
     ops = doc["operations"]
     assert ops["scheduler-signal.send.capacity_changed"]["channel"] == {"$ref": "#/channels/capacity_changed"}
-    # nobody in Phalanx consumes them yet: operators and custom policies (PARTIES)
+    # the planner acts on them; operators and custom policies read them too (PARTIES)
     assert ops["operator.receive.preemption_notice"]["action"] == "receive"
-    assert not any(k.startswith("elasticity-planner.receive.") and "capacity" in k for k in ops)
+    assert ops["policy.receive.capacity_changed"]["action"] == "receive"
+    assert any(k.startswith("elasticity-planner.receive.") and "capacity" in k for k in ops)
     assert "reply" in ops["state-replication.receive.health"]
 
 

@@ -1,30 +1,37 @@
 """scheduler-signal sources: the cluster file, and Kubernetes watch events mapped to signals.
 
-The Kubernetes events are recorded API responses (``k8s/*.json*``): a node list
-and watch streams of nodes and of a job's pods, as the API server sends them.
+The Kubernetes events are recorded API responses (``k8s/*.json*``): node and pod
+lists and watch streams of nodes, of a job's pods and of pending pods, as the API
+server sends them. ``tests/integration/test_kube_source.py`` plays them through
+the real client against a fake API server.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-from phalanx.services.scheduler_signal.sources import (
-    FileClusterSource,
+from phalanx.services.scheduler_signal.kube import (
+    BadObject,
     KubeConfig,
-    Ledger,
     NodeTracker,
     PodTracker,
-    Signal,
     WatchExpired,
+    client_configuration,
+    node_reclaims,
     node_slots,
+    node_trouble,
     parse_quantity,
+    pending_reclaims,
     pod_preemption,
+    pod_request,
     watch_events,
 )
+from phalanx.services.scheduler_signal.sources import FileClusterSource, Ledger, Signal
 
 from phalanx.schemas import CapacityChanged, PreemptionNotice
 
@@ -168,6 +175,120 @@ async def test_each_preempted_pod_is_announced_once() -> None:
     assert (first.cluster, first.job, first.workers, first.source) == ("prod", "j1", ["w1"], "k8s")
 
 
+def _cluster() -> tuple[NodeTracker, PodTracker]:
+    """The recorded cluster: gpu-a, gpu-b (8 GPUs each), cpu-c; job j1's w0..w3 (4 GPUs each)."""
+    listing = json.loads((DATA / "nodes_list.json").read_text())
+    nodes = NodeTracker("nvidia.com/gpu")
+    nodes.reset(listing["items"], listing["metadata"]["resourceVersion"])
+    pod_list = json.loads((DATA / "pods_list.json").read_text())
+    pods = PodTracker()
+    job = [p for p in pod_list["items"] if "phalanx.io/job" in p["metadata"]["labels"]]
+    assert pods.reset(job, pod_list["metadata"]["resourceVersion"]) == []
+    return nodes, pods
+
+
+def test_node_health_label_and_why_a_node_offers_nothing() -> None:
+    trouble = {
+        e["object"]["metadata"]["name"] + str(i): e["object"]
+        for i, e in enumerate(_events("nodes_trouble.jsonl"))
+    }
+    assert [node_trouble(n) for n in trouble.values()] == [
+        "not ready (NodeStatusUnknown)",
+        "cordoned",
+        "marked unhealthy (phalanx.io/unhealthy=true)",
+    ]
+    assert [node_slots(n, "nvidia.com/gpu") for n in trouble.values()] == [0, 0, 0]
+    unhealthy = trouble["gpu-a2"]
+    assert node_slots(unhealthy, "nvidia.com/gpu", health_label="example.com/broken") == 8
+    for value, slots in (("false", 8), ("0", 8), ("", 8), ("yes", 0), ("xid-79", 0)):
+        unhealthy["metadata"]["labels"]["phalanx.io/unhealthy"] = value
+        assert node_slots(unhealthy, "nvidia.com/gpu") == slots, value
+
+
+@pytest.mark.parametrize(
+    ("line", "node", "workers", "reason"),
+    [
+        (0, "gpu-a", ["w0", "w1"], "node gpu-a not ready (NodeStatusUnknown)"),
+        (1, "gpu-b", ["w2", "w3"], "node gpu-b cordoned"),
+        (2, "gpu-a", ["w0", "w1"], "node gpu-a marked unhealthy (phalanx.io/unhealthy=true)"),
+    ],
+)
+def test_a_job_node_in_trouble_reclaims_its_workers(
+    line: int, node: str, workers: list[str], reason: str
+) -> None:
+    nodes, pods = _cluster()
+    assert node_reclaims(nodes, pods) == []
+    assert nodes.apply(_events("nodes_trouble.jsonl")[line]) is True
+    assert nodes.available == 8
+    (r,) = node_reclaims(nodes, pods)
+    assert (r.job, r.workers, r.nodes, r.deadline_s, r.reason) == ("j1", workers, [node], 45.0, reason)
+    assert r.key.startswith(f"node-{node}-")
+    assert node_reclaims(nodes, pods) == [r]  # the same trouble, the same key
+    # a pod already being taken is the pod's own notice, not the node's
+    w1 = next(uid for uid, p in pods.pods.items() if p["metadata"]["name"] == "train-j1-w1")
+    pods.pods[w1] = {**pods.pods[w1], "metadata": {**pods.pods[w1]["metadata"], "deletionTimestamp": "x"}}
+    if node == "gpu-a":
+        (r2,) = node_reclaims(nodes, pods)
+        assert r2.workers == ["w0"] and r2.key == r.key  # w1 still lives there: the same notice
+    # what was announced for the node is not announced again, a new pod there is
+    assert node_reclaims(nodes, pods, covered=r.covers) == []
+    newcomer = json.loads(json.dumps(next(iter(pods.pods.values()))))
+    newcomer["metadata"] = {
+        **newcomer["metadata"],
+        "uid": "new",
+        "labels": {**newcomer["metadata"]["labels"], "phalanx.io/worker": "w9"},
+    }
+    newcomer["spec"]["nodeName"] = node
+    pods.apply({"type": "ADDED", "object": newcomer})
+    (r3,) = node_reclaims(nodes, pods, covered=r.covers)
+    assert r3.workers == ["w9"] and r3.key != r.key
+
+
+def test_pending_pods_of_higher_priority_reclaim_job_pods() -> None:
+    nodes, pods = _cluster()
+    pending = PodTracker()
+    serving, batch, etl, other_ns = _events("pods_pending.jsonl")
+    assert pod_request(serving["object"], "nvidia.com/gpu") == 8
+    assert pod_request(etl["object"], "nvidia.com/gpu") == 0
+    pending.apply(batch)  # priority 10 < the job's 100: it may not preempt the job
+    pending.apply(etl)  # no GPU asked for
+    assert pending_reclaims(nodes, pods, pending, "nvidia.com/gpu") == []
+    pending.apply(serving)
+    (r,) = pending_reclaims(nodes, pods, pending, "nvidia.com/gpu")
+    assert (r.key, r.job, r.workers, r.nodes, r.deadline_s) == (
+        "pending-9f8e7d6c-0000-4000-8000-0000000000c1",
+        "j1",
+        ["w2", "w3"],  # the highest worker indexes, on one node
+        [],  # the victims leave, not every worker of their node
+        45.0,
+    )
+    assert r.reason == "pending pod phalanx/serving-7d9c (priority 1000) needs 8 nvidia.com/gpu"
+    # the scheduler nominated gpu-a: the victims are there
+    nominated = json.loads(json.dumps(serving))
+    nominated["object"]["status"]["nominatedNodeName"] = "gpu-a"
+    pending.apply({**nominated, "type": "MODIFIED"})
+    (r,) = pending_reclaims(nodes, pods, pending, "nvidia.com/gpu")
+    assert (r.workers, r.nodes) == (["w0", "w1"], []) and "gpu-a" not in r.reason
+    # a second one needs 4 more: the next victims, not the same ones
+    pending.apply(other_ns)
+    first, second = pending_reclaims(nodes, pods, pending, "nvidia.com/gpu")
+    assert (first.workers, second.workers, second.nodes) == (["w0", "w1"], ["w3"], [])
+    # room on a node: nothing to take
+    nodes.apply({"type": "ADDED", "object": {**_events("nodes_watch.jsonl")[1]["object"]}})  # gpu-d: 4 GPUs
+    assert [r.workers for r in pending_reclaims(nodes, pods, pending, "nvidia.com/gpu")] == [["w0", "w1"]]
+
+
+def test_objects_without_metadata_are_refused() -> None:
+    nodes, pods = _cluster()
+    pod_event, node_event = _events("bad_objects.jsonl")
+    with pytest.raises(BadObject):
+        pods.apply(pod_event)
+    with pytest.raises(BadObject):
+        nodes.apply(node_event)
+    nodes.reset([node_event["object"], *json.loads((DATA / "nodes_list.json").read_text())["items"]], "1")
+    assert len(nodes.skipped) == 1 and nodes.available == 16
+
+
 # -- the ledger -----------------------------------------------------------------------------
 async def test_ledger_publishes_capacity_only_when_it_changes() -> None:
     ledger = Ledger(NothingPublished(), "file")
@@ -299,3 +420,36 @@ def test_kube_config_from_env(tmp_path: Path) -> None:
         "prod",
         sa / "token",
     )
+    assert (cfg.health_label, cfg.all_namespaces) == ("phalanx.io/unhealthy", False)
+    cfg = KubeConfig.from_env(
+        {
+            "PHALANX_K8S": "1",
+            "PHALANX_K8S_API": "http://127.0.0.1:8001",
+            "PHALANX_K8S_HEALTH_LABEL": "example.com/gpu-broken",
+            "PHALANX_K8S_ALL_NAMESPACES": "1",
+        },
+        sa_dir=sa,
+    )
+    assert cfg is not None and (cfg.health_label, cfg.all_namespaces) == ("example.com/gpu-broken", True)
+
+
+async def _bearer(conf: Any) -> Any:
+    """The Authorization header the client sends (a coroutine in newer client releases)."""
+    value = conf.get_api_key_with_prefix("BearerToken")
+    return await value if inspect.isawaitable(value) else value
+
+
+async def test_client_configuration_reads_the_token_again_when_it_rotates(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    ca = tmp_path / "ca.crt"
+    cfg = KubeConfig(api="https://10.0.0.1:6443", namespace="ns", token_file=token, ca_file=ca)
+    conf = client_configuration(cfg)
+    assert (conf.host, conf.ssl_ca_cert, conf.verify_ssl) == ("https://10.0.0.1:6443", str(ca), True)
+    assert await _bearer(conf) == "Bearer first"
+    rotated = tmp_path / "token.new"
+    rotated.write_text("second\n")
+    os.replace(rotated, token)  # how the kubelet swaps a projected token
+    assert await _bearer(conf) == "Bearer second"
+    plain = client_configuration(KubeConfig(api="http://127.0.0.1:8001", namespace="ns"))
+    assert plain.api_key == {} and plain.refresh_api_key_hook is None

@@ -18,6 +18,7 @@ from phalanx.tracesummary import (
     Incident,
     PhaseRow,
     SpanRecord,
+    format_incident,
     incidents,
     load_spans,
     print_summary,
@@ -395,3 +396,28 @@ def test_jaeger_without_incident(empty_jaeger: FakeJaeger, capsys: pytest.Captur
     assert spans == []
     assert [p for p, _ in empty_jaeger.requests] == ["/api/traces"]
     assert print_summary(spans) == 1
+
+
+def test_a_planned_resize_is_an_incident_from_its_signal_with_its_pause() -> None:
+    trace, t0 = "22222222222222222222222222222222", T0 + 120 * 10**9
+
+    def span(name: str, start_ms: float, end_ms: float, **attrs: Any) -> SpanRecord:
+        return SpanRecord(trace, name, t0 + int(start_ms * 1e6), t0 + int(end_ms * 1e6), "x", attrs)
+
+    spans = [
+        span("signal preemption_notice", 0.0, 1.0),
+        span("process phalanx.sched.local.preempt", 2.0, 9.0),  # the planner's consumer span: no phase
+        span("plan", 3.0, 8.0, **{"phalanx.resize": "shrink", "phalanx.reason": "reclaim b: shrink to 2"}),
+        span("notify", 8.0, 12.0),
+        span("abort", 40.0, 40.5),  # the ranks finished the step in flight first
+        span("abort", 41.0, 41.2),
+        span("comm_init", 41.0, 60.0),
+        span("first_step", 60.0, 95.0),
+        span("first_step", 60.5, 96.0),
+    ]
+    (inc,) = incidents(spans)
+    assert inc.resize == "shrink" and inc.fault_ns == t0
+    assert [r.phase for r in inc.rows] == ["signal", "plan", "notify", "abort", "comm_init", "first_step"]
+    assert inc.downtime_ms == pytest.approx(56.0)  # first abort start -> last first_step end
+    text = format_incident(inc)
+    assert "planned shrink: reclaim b: shrink to 2" in text and "pause (" in text and "56.0 ms" in text

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.runtime.trainer import Trainer, _flat_grads, step_seed
+from phalanx.runtime.trainer import VOTE, Trainer, _flat_grads, step_seed
 
 
 def test_step_seed_is_deterministic_and_a_valid_torch_seed() -> None:
@@ -47,7 +47,8 @@ def test_flat_grads_layout() -> None:
     params = list(_model().parameters())
     flat, views = _flat_grads(params)
     assert flat.dtype == params[0].dtype and flat.dim() == 1
-    assert flat.numel() == sum(p.numel() for p in params) == 12 + 4 + 8 + 2 + 2
+    # every gradient, then the two slots the all-reduce carries besides: VOTE and LOSS
+    assert flat.numel() - 2 == sum(p.numel() for p in params) == 12 + 4 + 8 + 2 + 2
     assert torch.count_nonzero(flat) == 0
     assert [v.shape for v in views] == [p.shape for p in params]
     off = 0
@@ -61,7 +62,7 @@ def test_flat_grads_views_share_memory_both_ways() -> None:
     params = list(_model().parameters())
     flat, views = _flat_grads(params)
     flat.copy_(torch.arange(flat.numel(), dtype=flat.dtype))
-    assert torch.equal(torch.cat([v.reshape(-1) for v in views]), flat)
+    assert torch.equal(torch.cat([v.reshape(-1) for v in views]), flat[:VOTE])
     views[2].fill_(-1.0)
     start = params[0].numel() + params[1].numel()
     assert torch.equal(flat[start : start + params[2].numel()], torch.full((params[2].numel(),), -1.0))
@@ -96,7 +97,7 @@ def test_backward_accumulates_in_place_into_the_flat_buffer() -> None:
     for p, v in zip(params, views, strict=True):
         assert p.grad is v  # autograd added into the view, it did not swap in a new tensor
     assert torch.count_nonzero(flat) > 0
-    assert torch.equal(flat, want)
+    assert torch.equal(flat[:VOTE], want)
 
     flat.mul_(0.5)  # e.g. the all-reduce writing into flat lands in p.grad
     assert all(torch.equal(p.grad, v) for p, v in zip(params, views, strict=True))
@@ -153,3 +154,16 @@ def test_collective_bound_is_learned_from_recent_all_reduces(monkeypatch: pytest
     monkeypatch.setenv("PHALANX_COLLECTIVE_FACTOR", "0")
     with pytest.raises(ValueError, match="PHALANX_COLLECTIVE_FACTOR"):
         _trainer()
+
+
+def test_joiners_take_state_from_every_member_that_holds_it() -> None:
+    from phalanx.runtime.session import state_sources
+
+    # three survivors at step 7, three joiners: one each, in parallel
+    assert state_sources([7, 7, 7, -1, -1, -1]) == {3: 0, 4: 1, 5: 2}
+    # a survivor that missed the last update receives too; more joiners than holders wrap around
+    assert state_sources([7, 6, -1, -1, -1]) == {1: 0, 2: 0, 3: 0, 4: 0}
+    assert state_sources([7, 7, -1, -1, -1]) == {2: 0, 3: 1, 4: 0}
+    # a fresh job: rank 0's initial state is the reference; nobody behind: nothing moves
+    assert state_sources([-1, -1, -1]) == {1: 0, 2: 0}
+    assert state_sources([5, 5]) == {}

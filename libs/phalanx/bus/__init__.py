@@ -1,8 +1,9 @@
 """The NATS bus: subjects, streams, and a typed, traced client."""
 
-from phalanx.bus._connection import Bus, nats_url
+from phalanx.bus._connection import Bus, decode_on, nats_url
 from phalanx.bus.subjects import CATALOGUE, Subject, Transport
 from phalanx.bus.topology import (
+    CLUSTER_BUCKET,
     COMMANDS,
     DUPLICATE_WINDOW_S,
     ERRORS,
@@ -16,6 +17,7 @@ from phalanx.bus.topology import (
 
 __all__ = [
     "CATALOGUE",
+    "CLUSTER_BUCKET",
     "COMMANDS",
     "DUPLICATE_WINDOW_S",
     "ERRORS",
@@ -27,6 +29,7 @@ __all__ = [
     "StreamSpec",
     "Subject",
     "Transport",
+    "decode_on",
     "ensure_topology",
     "nats_url",
 ]

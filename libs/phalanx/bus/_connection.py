@@ -140,6 +140,17 @@ def _subject_pattern(subject: str) -> str:
     return "other"
 
 
+def decode_on(raw: Msg, expected: tuple[type[Message], ...]) -> Message:
+    """The message in ``raw``, checked against its subject: one of ``expected``, and
+    (for a job's subject) of that job. Raises :class:`DecodeError` with the reason."""
+    msg = decode(raw.data, raw.headers)
+    if not isinstance(msg, expected):
+        raise DecodeError(f"{raw.subject} does not carry {msg.KIND!r}", msg.KIND)
+    if (why := job_mismatch(raw.subject, msg)) is not None:
+        raise DecodeError(why, msg.KIND)
+    return msg
+
+
 class Bus:
     # Error events for refused input (report_bad_input): per subject pattern at most
     # ERROR_EVENTS_PER_S, in bursts of ERROR_EVENTS_BURST, and ERROR_EVENTS_IN_FLIGHT
@@ -666,11 +677,7 @@ class Bus:
                     await raw.ack()
                     return
         try:
-            msg = decode(raw.data, raw.headers)
-            if not isinstance(msg, expected):
-                raise DecodeError(f"{raw.subject} does not carry {msg.KIND!r}", msg.KIND)
-            if (why := job_mismatch(raw.subject, msg)) is not None:
-                raise DecodeError(why, msg.KIND)
+            msg = decode_on(raw, expected)
         except DecodeError as err:
             await self.report_bad_input(raw.subject, err)
             with contextlib.suppress(Exception):

@@ -18,6 +18,7 @@ from enum import StrEnum
 
 from phalanx.schemas import (
     CapacityChanged,
+    CheckpointEvent,
     CollectiveError,
     ErrorEvent,
     HealthReply,
@@ -31,11 +32,13 @@ from phalanx.schemas import (
     PlanAck,
     PlanDecision,
     PreemptionNotice,
+    Proposal,
     RankExited,
     RankFailed,
     RankHung,
     RecoveryDone,
     Registered,
+    SpawnWorkers,
 )
 
 _TOKEN = re.compile(r"\{([a-z_]+)\}")
@@ -137,6 +140,12 @@ RECOVERED = Subject(
     Transport.JETSTREAM,
     "A rank completed its first step in a new generation.",
 )
+CHECKPOINT = Subject(
+    "phalanx.evt.{job}.checkpoint",
+    CheckpointEvent,
+    Transport.JETSTREAM,
+    "A checkpoint copy became complete, corrupt, deleted or failed in a tier, or served a restore.",
+)
 JOB_SPEC = Subject(
     "phalanx.cmd.{job}.spec",
     JobSpec,
@@ -148,6 +157,18 @@ PLAN = Subject(
     Plan,
     Transport.JETSTREAM,
     "A committed plan: the membership of a new generation.",
+)
+SPAWN = Subject(
+    "phalanx.cmd.{job}.spawn",
+    SpawnWorkers,
+    Transport.JETSTREAM,
+    "The planner asks a node's launcher to start workers (hot spares).",
+)
+PROPOSAL = Subject(
+    "phalanx.cmd.{job}.proposal",
+    Proposal,
+    Transport.JETSTREAM,
+    "A custom policy proposes a world size; the planner commits or rejects it.",
 )
 CAPACITY = Subject(
     "phalanx.sched.{cluster}.capacity",
@@ -182,8 +203,11 @@ CATALOGUE: tuple[Subject, ...] = (
     JOINED,
     ACK,
     RECOVERED,
+    CHECKPOINT,
     JOB_SPEC,
     PLAN,
+    SPAWN,
+    PROPOSAL,
     CAPACITY,
     PREEMPT,
     ERROR,

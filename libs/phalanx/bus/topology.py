@@ -4,17 +4,24 @@ One stream per family of subjects: events (``phalanx.evt.>``), commands
 (``phalanx.cmd.>``), scheduler signals (``phalanx.sched.>``) and errors
 (``phalanx.err.>``). Every stream de-duplicates on ``Nats-Msg-Id`` inside
 :data:`DUPLICATE_WINDOW_S`. The ``phalanx_jobs`` bucket holds each job's current
-plan under ``<job>.plan``; it only moves forward by compare-and-set.
+plan under ``<job>.plan``; it only moves forward by compare-and-set. The
+``phalanx_cluster`` bucket holds the local cluster that ``phalanx cluster`` drives
+(one JSON record per cluster name, see :mod:`phalanx.cluster`); scheduler-signal
+watches it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from dataclasses import dataclass
 
+import nats.errors
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
+from nats.js.kv import KeyValue
 
 DUPLICATE_WINDOW_S = 120.0
 
@@ -34,6 +41,27 @@ ERRORS = StreamSpec("PHALANX_ERR", ("phalanx.err.>",), 7 * 86400, "Refused input
 STREAMS = (EVENTS, COMMANDS, SCHED, ERRORS)
 
 JOBS_BUCKET = "phalanx_jobs"
+CLUSTER_BUCKET = "phalanx_cluster"
+CKPT_BUCKET = "phalanx_ckpt"  # every checkpoint copy's state, per tier (phalanx.checkpoint.catalog)
+BUCKETS = (JOBS_BUCKET, CLUSTER_BUCKET, CKPT_BUCKET)
+BUCKET_HISTORY = 16
+
+
+def stream_replicas() -> int:
+    """Replicas of each stream and bucket: ``PHALANX_STREAM_REPLICAS`` (1); 3 on a 3-node cluster."""
+    return int(os.environ.get("PHALANX_STREAM_REPLICAS") or 1)
+
+
+async def ensure_bucket(js: JetStreamContext, bucket: str, replicas: int | None = None) -> KeyValue:
+    """The KV ``bucket``, created (history :data:`BUCKET_HISTORY`) if it does not exist."""
+    try:
+        return await js.key_value(bucket)
+    except Exception:
+        return await js.create_key_value(
+            bucket=bucket,
+            history=BUCKET_HISTORY,
+            replicas=stream_replicas() if replicas is None else replicas,
+        )
 
 
 async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> None:
@@ -42,7 +70,7 @@ async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> 
     ``replicas`` defaults to ``PHALANX_STREAM_REPLICAS`` (1); 3 on a 3-node cluster.
     """
     if replicas is None:
-        replicas = int(os.environ.get("PHALANX_STREAM_REPLICAS") or 1)
+        replicas = stream_replicas()
     for spec in STREAMS:
         cfg = StreamConfig(
             name=spec.name,
@@ -62,7 +90,54 @@ async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> 
             if exc.err_code != 10058:
                 raise
             await js.update_stream(cfg)
+    for bucket in BUCKETS:
+        await ensure_bucket(js, bucket, replicas)
+
+
+async def kv_latest(
+    js: JetStreamContext, bucket: str, pattern: str = ">", timeout_s: float = 5.0
+) -> dict[str, bytes]:
+    """The current value of every key of ``bucket`` matching ``pattern`` (deleted keys left out).
+
+    Not ``KeyValue.keys()`` or a watch's first ``None``: nats.py decides "caught up" from
+    consumer info that can be read before the first deliveries are, so that ``None`` may
+    come ahead of the entries, and a planner taking over would see no jobs. This reads
+    until the message the server sent with nothing pending after it, and takes "nothing
+    there" only from consumer info that shows nothing pending *and* nothing delivered::
+
+        plans = await kv_latest(bus.js, JOBS_BUCKET, "*.plan")
+
+    Raises ``TimeoutError`` when the entries stop coming before the last one (a partial
+    view is never returned as the whole).
+    """
+    prefix = f"$KV.{bucket}."
+    sub = await js.subscribe(
+        prefix + pattern,
+        stream=f"KV_{bucket}",
+        ordered_consumer=True,
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        inactive_threshold=60.0,
+    )
     try:
-        await js.key_value(JOBS_BUCKET)
-    except Exception:
-        await js.create_key_value(bucket=JOBS_BUCKET, history=16, replicas=replicas)
+        info = await sub.consumer_info()
+        if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
+            return {}
+        out: dict[str, bytes] = {}
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=timeout_s)
+            except nats.errors.TimeoutError:
+                raise TimeoutError(
+                    f"{bucket}: read {len(out)} keys matching {pattern!r}, then nothing for {timeout_s}s"
+                ) from None
+            headers = msg.headers or {}
+            key = msg.subject[len(prefix) :]
+            if headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
+                out.pop(key, None)
+            else:
+                out[key] = msg.data
+            if msg.metadata.num_pending == 0:
+                return out
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(sub.unsubscribe())

@@ -230,6 +230,15 @@ class Agent:
                 follower.eager = False
 
     def superseded(self, generation: int) -> bool:
+        """A newer plan ends ``generation`` now: its group broke, or it is not the
+        planned successor (which waits for the step boundary, :meth:`resize_pending`)."""
+        latest = self._latest
+        if latest is None or latest.plan.generation <= generation:
+            return False
+        return not (latest.plan.planned and latest.plan.generation == generation + 1)
+
+    def resize_pending(self, generation: int) -> bool:
+        """A newer plan exists: this rank votes to switch after the step in flight."""
         latest = self._latest
         return latest is not None and latest.plan.generation > generation
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,7 @@ from phalanx.runtime.agent import Agent
 from phalanx.runtime.comm import CommError, connect_store
 from phalanx.runtime.faults import FaultPlan
 from phalanx.runtime.status import RankStatus
-from phalanx.schemas import Role
+from phalanx.schemas import Plan, Role
 from phalanx.telemetry import get_logger, setup_logging, setup_tracing, shutdown_tracing
 
 if TYPE_CHECKING:
@@ -98,6 +98,10 @@ class Job:
     def track(self, **objects: Any) -> None:
         """Name what moves to a joiner: objects with ``state_dict``/``load_state_dict``."""
         self.loop.track(**objects)
+
+    def on_resize(self, hook: Callable[[int, int, Plan], None]) -> None:
+        """``hook(old_world, new_world, plan)`` after a resize (see :meth:`UserLoop.on_resize`)."""
+        self.loop.on_resize(hook)
 
     def steps(self, loader: DataLoader[Any], total: int) -> Iterator[tuple[int, Any]]:
         """``(step, batch)`` until ``total`` steps are done, failed steps redone."""

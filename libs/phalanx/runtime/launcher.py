@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 from phalanx.bus import Bus, nats_url
-from phalanx.bus.subjects import DECISION, EXITED, JOB_SPEC, JOINED
+from phalanx.bus.subjects import DECISION, EXITED, JOB_SPEC, JOINED, SPAWN
 from phalanx.natsauth import ENV_WORKER_CREDENTIALS, worker_credentials
 from phalanx.runtime.addr import listen_socket, local_address_towards
 from phalanx.runtime.digest import NodeDigestPublisher
@@ -60,12 +60,14 @@ from phalanx.runtime.follow import PlanFollower
 from phalanx.runtime.heartbeat import heartbeat_interval_s
 from phalanx.schemas import (
     Action,
+    Elastic,
     JobSpec,
     NodeJoined,
     Plan,
     PlanDecision,
     RankExited,
     Role,
+    SpawnWorkers,
     decode,
 )
 from phalanx.telemetry import get_logger
@@ -108,6 +110,7 @@ class LaunchConfig:
     bind: str | None = None  # the address store and gloo listen on; None: towards NATS
     join_timeout_s: float = 10.0  # for the planner's answer
     join_retry_s: float = 30.0  # for a refusal that may lift (the node's old launcher not yet lost)
+    elastic: Elastic = field(default_factory=Elastic)  # sizes, cool-down, grace, batch split, LR rule
 
 
 def worker_names(node: str, count: int, qualified: bool) -> list[str]:
@@ -183,6 +186,7 @@ class Launcher:
             ) from exc
         await bus.nc.subscribe(DECISION.format(job=self.job), cb=self._on_decision)
         await bus.nc.subscribe(JOINED.format(job=self.job), cb=self._on_joined)
+        await bus.nc.subscribe(SPAWN.format(job=self.job), cb=self._on_spawn)
         self.follower = PlanFollower(bus, self.job, self._apply_plan, poll_s=2.0)
         self.follower.eager = True  # a launcher must never miss the plan that fences its node
         await self.follower.start()
@@ -226,6 +230,7 @@ class Launcher:
             min_world_size=cfg.min_nproc or 0,
             global_batch=cfg.global_batch,
             command=command_fingerprint(cfg.cmd),
+            elastic=cfg.elastic,
         )
         # A node whose old launcher died is refused until the detector declares it
         # lost (a fraction of a second): such refusals are asked again, for a while.
@@ -327,6 +332,20 @@ class Launcher:
         self.log.info("worker_started", worker=name, role=role.value, pid=proc.pid)
         return w
 
+    async def _on_spawn(self, raw: Msg) -> None:
+        """The planner asks for more workers here (capacity offered, spares to refill)."""
+        try:
+            msg = decode(raw.data, raw.headers, SpawnWorkers)
+        except Exception as exc:
+            self.log.error("bad_spawn_request", error=repr(exc))
+            return
+        if msg.launcher != self.id or msg.run != self.run or self._done.is_set():
+            return
+        for name in msg.workers:
+            if name not in self.workers:  # a redelivery starts nothing twice
+                self.spawn(name, Role.SPARE)
+        self.log.info("workers_requested", workers=msg.workers, reason=msg.reason)
+
     # -- exits: the fast crash path -------------------------------------------------
     def _watch(self, w: Worker) -> None:
         rc = w.proc.wait()
@@ -385,7 +404,21 @@ class Launcher:
             self._done.set()
             return
         self._fence([w for w in plan.removed if w in self.workers], plan)
+        leaving = [w for w in plan.leaving if w in self.workers and self.workers[w].proc.poll() is None]
+        if leaving and self._loop is not None:
+            # They finish their step and exit 0; only one still running at the deadline is fenced.
+            left = max(0.0, plan.leave_by - time.time())
+            self.log.info(
+                "workers_leaving", workers=leaving, generation=plan.generation, deadline_s=round(left, 3)
+            )
+            self._loop.call_later(left, self._fence_late, leaving, plan)
         self._check_done()
+
+    def _fence_late(self, names: list[str], plan: Plan) -> None:
+        late = [w for w in names if self.workers[w].proc.poll() is None]
+        if late:
+            self.log.error("leave_deadline_passed", workers=late, generation=plan.generation)
+            self._fence(late, plan)
 
     def _fence(self, names: list[str], plan: Plan) -> None:
         for name in names:
@@ -462,11 +495,47 @@ class Launcher:
                 p.unlink()
             self._tmp.rmdir()
 
+    async def drain(self, grace_s: float) -> None:
+        """Asked to go (SIGTERM: a pod being deleted, a node being drained): give the
+        planner ``grace_s`` to take this node's workers out at a step boundary (the
+        scheduler's preemption notice leads to a plan in which they leave and exit 0),
+        then end; whatever still runs is stopped by :meth:`stop`."""
+        self.log.warning("draining", grace_s=grace_s, workers=self._running_members())
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not self._done.is_set():
+            if all(w.proc.poll() is not None for w in self.workers.values()):
+                break
+            await asyncio.sleep(0.05)
+        self._done.set()
+
+
+def drain_grace_s() -> float:
+    """``PHALANX_LAUNCHER_DRAIN_S``: how long a launcher told to stop (SIGTERM) waits for
+    its workers to be taken out of the job gracefully (0, the default: stop at once).
+    On Kubernetes set it a little below the pod's ``terminationGracePeriodSeconds``."""
+    raw = os.environ.get("PHALANX_LAUNCHER_DRAIN_S", "") or "0"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"PHALANX_LAUNCHER_DRAIN_S must be a number of seconds >= 0, got {raw!r}")
+    return value
+
 
 async def run(config: LaunchConfig, timeout_s: float | None = None) -> int:
+    grace = drain_grace_s()
     launcher = Launcher(config)
+    loop = asyncio.get_running_loop()
+    drains: list[asyncio.Task[None]] = []
+    if grace > 0:
+        loop.add_signal_handler(
+            signal.SIGTERM, lambda: drains.append(loop.create_task(launcher.drain(grace)))
+        )
     try:
         await launcher.start()
         return await launcher.wait(timeout_s)
     finally:
+        if grace > 0:
+            loop.remove_signal_handler(signal.SIGTERM)
         await launcher.stop()

@@ -66,7 +66,7 @@ import functools
 import gc
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -83,7 +83,7 @@ from phalanx.runtime.comm import CommError, Communicator
 from phalanx.runtime.job import Job
 from phalanx.runtime.sampler import ElasticSampler
 from phalanx.runtime.session import RecoveryError, Removed, Session
-from phalanx.schemas import Phase
+from phalanx.schemas import Phase, Plan
 from phalanx.telemetry import get_logger
 
 Layout = list[list[int]]
@@ -142,6 +142,8 @@ class UserLoop:
         self._rng_after: dict[str, Any] | None = None  # after the batch was fetched
         self._held: tuple[tuple[int, int, int], Any] | None = None  # ((step, world, rank), batch)
         self._received = False
+        self._world_seen = 0
+        self._on_resize: Callable[[int, int, Plan], None] | None = None
 
     # -- the user's API --------------------------------------------------------------
     def ddp(self, module: nn.Module, **kwargs: Any) -> DistributedDataParallel:
@@ -216,13 +218,34 @@ class UserLoop:
                     self._roll_back(saved)
                     session.reconfigure(failed, self._restore)
                     continue
+                switch, late = self._vote(session)
                 self._held = None
                 sampler.advance(loader.batch_size * session.world_size)
                 session.committed((time.perf_counter() - t0) * 1000.0, wall0)
+                if late is not None or switch:  # a peer died after the step, or a planned resize
+                    session.reconfigure(late, self._restore)
             session.finish()
             self.job.close()  # every step is done: this worker leaves the job (goodbye)
         except Removed:
             self.log.warning("removed_from_job", generation=session.generation)
+            self.job.close()  # shrunk or reclaimed away: a clean leave, not a fault
+
+    def _vote(self, session: Session) -> tuple[bool, CommError | None]:
+        """After a step every member completed: agree whether to switch to a newer
+        (planned) generation now. One float all-reduced; a failure here means a peer
+        died after the gradients were reduced, so this step stands and recovery follows."""
+        vote = torch.tensor([session.resize_vote()], device=session.device)
+        try:
+            session.allreduce_(vote)
+        except CommError as err:
+            return False, err
+        return float(vote.item()) > 0, None
+
+    def on_resize(self, hook: Callable[[int, int, Plan], None]) -> None:
+        """Call ``hook(old_world, new_world, plan)`` when a new generation has another
+        world size (``plan.batch`` says how the job's global batch splits at that size):
+        where a user loop re-splits its batch or rescales its learning rate."""
+        self._on_resize = hook
 
     # -- what moves to a joiner (the Session's Stateful) ---------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -254,6 +277,9 @@ class UserLoop:
         """After a generation is joined: agree on DDP's buckets, then get the batch."""
         session = self.session
         assert session is not None
+        old, self._world_seen = self._world_seen, world_size
+        if self._on_resize is not None and old and old != world_size and session.plan is not None:
+            self._on_resize(old, world_size, session.plan)
         layout = self._source_layout if self._received else self._layout
         if layout is None:
             if self._reducer_used:

@@ -88,6 +88,15 @@ class Restore(Protocol):
     def __call__(self, world_size: int, rank: int) -> None: ...
 
 
+class LastResort(Protocol):
+    """Where a group in which no member holds state resumes from
+    (:class:`phalanx.checkpoint.Checkpointer`): ``load()`` returns an object with
+    ``step``, ``tier`` and ``state`` (``{"step", "state"}`` as saved), or raises
+    LookupError when there is no checkpoint."""
+
+    def load(self, step: int | None = None) -> Any: ...
+
+
 @dataclass
 class Recovery:
     """Timestamps (time.time()) of one recovery's phases on this rank."""
@@ -99,6 +108,7 @@ class Recovery:
     bytes_received: int = 0
     role: str = "survivor"
     reused_grads: bool = False
+    checkpoint_tier: str = ""  # the tier a last-resort restore read from (rank 0 only)
 
     def mark(self, phase: str, start: float) -> float:
         end = time.time()
@@ -115,6 +125,26 @@ def env_positive(name: str, default: float) -> float:
     if not value > 0:
         raise ValueError(f"{name} must be a positive number, got {raw!r}")
     return value
+
+
+def state_sources(steps: list[int]) -> dict[int, int]:
+    """Who sends its state to whom: ``{receiver rank: source rank}``, given each
+    member's step (-1: no state yet). The members at the most advanced step hold the
+    same state, so the receivers are spread over them round-robin (several joiners
+    at once are served in parallel); in a fresh job rank 0 sends to everyone.
+
+    >>> state_sources([7, 7, -1, -1, 6])
+    {2: 0, 3: 1, 4: 0}
+    >>> state_sources([-1, -1, -1])
+    {1: 0, 2: 0}
+    """
+    best = max(steps)
+    if best < 0:  # a fresh job: rank 0's initial state is the reference (like DDP)
+        holders, receivers = [0], list(range(1, len(steps)))
+    else:
+        holders = [r for r, s in enumerate(steps) if s == best]
+        receivers = [r for r, s in enumerate(steps) if s != best]
+    return {r: holders[i % len(holders)] for i, r in enumerate(receivers)}
 
 
 class Session:
@@ -135,8 +165,10 @@ class Session:
         collective_timeout_s: float | None = None,
         rendezvous_timeout_s: float = 60.0,
         plan_timeout_s: float = 120.0,
+        checkpoints: LastResort | None = None,
     ) -> None:
         self.job, self.state = job, state
+        self.checkpoints = checkpoints
         self.device = device or torch.device("cpu")
         self.collective_timeout_s = collective_timeout_s or env_positive(
             "PHALANX_COLLECTIVE_TIMEOUT_S", 120.0
@@ -153,6 +185,7 @@ class Session:
         self.rank = -1
         self.world_size = 0
         self.comm: Communicator | None = None
+        self.plan: Plan | None = None  # the plan of the generation being joined or run
         self.recoveries = 0
         self.pending: Recovery | None = None  # reported once the first step after it commits
         self._seen = 0  # newest generation looked at (a spare skips plans that leave it out)
@@ -189,6 +222,12 @@ class Session:
 
     def superseded(self) -> bool:
         return self.job.agent.superseded(self.generation)
+
+    def resize_vote(self) -> float:
+        """1.0 when a newer plan is known (a planned resize), else 0.0: what this rank
+        adds to its step's all-reduce. A sum above 0 means every member switches to
+        the new generation after this very step (:meth:`reconfigure` with no error)."""
+        return 1.0 if self.job.agent.resize_pending(self.generation) else 0.0
 
     # -- membership ------------------------------------------------------------------------
     def start(self, restore: Restore) -> None:
@@ -259,7 +298,8 @@ class Session:
         start, or their collective fails by the cascade or its timeout."""
         with self._lock:
             comm, generation = self.comm, self.generation
-        if comm is not None and comm.abortable and plan.generation > generation:
+        planned = plan.planned and plan.generation == generation + 1  # waits for the step boundary
+        if comm is not None and comm.abortable and plan.generation > generation and not planned:
             threading.Thread(target=comm.abort, name="phalanx-abort", daemon=True).start()
 
     def _join(self, rec: Recovery, restore: Restore, first: bool) -> None:
@@ -274,6 +314,10 @@ class Session:
             plan = env.plan
             self._seen = plan.generation
             rank = plan.rank_of(self.job.worker)
+            if self.job.worker in plan.leaving:  # reclaimed or shrunk away: leave cleanly
+                self.rank = status.rank = -1
+                self.log.info("leaving_job", generation=plan.generation, reason=plan.reason)
+                raise Removed()
             if rank is None:
                 if self.generation > 0:
                     self.rank = status.rank = -1  # no rank: a script's `if rank == 0` must not fire
@@ -306,8 +350,9 @@ class Session:
                     device=self.device,
                 )
                 t = rec.mark("comm_init", t)
-                rec.bytes_received = self._sync_state(comm, rank)
+                rec.bytes_received = self._sync_state(comm, rank, rec)
                 t = rec.mark("state_transfer", t)
+                self.plan = plan
                 restore(plan.world_size, rank)
                 rec.mark("data_restore", t)
             except (Superseded, CommError) as exc:
@@ -332,28 +377,36 @@ class Session:
             )
             return
 
-    def _sync_state(self, comm: Communicator, rank: int) -> int:
-        """Bring every member to the most advanced member's state; returns bytes received."""
-        mine = self.step + 2 if self._has_state else 1
+    def _member_steps(self, comm: Communicator, rank: int) -> list[int]:
+        """Every member's step (-1: holds no state)."""
         steps_t = torch.zeros(comm.world_size, dtype=torch.int64)
-        steps_t[rank] = mine
+        steps_t[rank] = self.step + 2 if self._has_state else 1
         comm.allreduce_sum_(steps_t, self.collective_timeout_s)
-        steps = [int(s) - 2 for s in steps_t.tolist()]  # -1: has no state
-        best = max(steps)
-        fresh = best < 0
-        if fresh:  # a fresh job: rank 0's initial state is the reference (like DDP)
-            src, receivers = 0, [r for r in range(comm.world_size) if r != 0]
-        else:
-            src = steps.index(best)
-            receivers = [r for r, s in enumerate(steps) if s != best]
+        return [int(s) - 2 for s in steps_t.tolist()]
+
+    def _sync_state(self, comm: Communicator, rank: int, rec: Recovery | None = None) -> int:
+        """Bring every member to the most advanced member's state; returns bytes received.
+
+        When no member holds state (a relaunched job, or every holder lost) and a
+        checkpoint store is configured, rank 0 loads the newest complete checkpoint
+        and is the source for everyone: the recovery of last resort."""
+        steps = self._member_steps(comm, rank)
+        if max(steps) < 0 and self.checkpoints is not None:
+            if rank == 0:
+                self._load_checkpoint(rec)
+            steps = self._member_steps(comm, rank)
+        fresh = max(steps) < 0
+        source = state_sources(steps)
         received = 0
-        if rank == src and receivers:
+        mine_to = [r for r, src in source.items() if src == rank]
+        if mine_to:
             state = {"step": self.step, "state": self.state.state_dict()}
             meta, buf = pack(state, device=self.device)
             crc = checksum(buf)
-            for r in receivers:
+            for r in mine_to:
                 send_state(comm, meta, buf, crc, r)
-        elif rank in receivers:
+        elif rank in source:
+            src = source[rank]
             got, received = recv_state(comm, src)
             step = got.get("step") if isinstance(got, dict) else None
             if type(step) is not int or step < 0 or not isinstance(got.get("state"), dict):
@@ -363,9 +416,33 @@ class Session:
         self._has_state = True
         return received
 
+    def _load_checkpoint(self, rec: Recovery | None) -> None:
+        assert self.checkpoints is not None
+        t0 = time.perf_counter()
+        try:
+            loaded = self.checkpoints.load()
+        except LookupError as exc:
+            self.log.info("no_checkpoint", reason=str(exc))
+            return
+        got = loaded.state
+        step = got.get("step") if isinstance(got, dict) else None
+        if type(step) is not int or step < 0 or not isinstance(got.get("state"), dict):
+            raise RecoveryError(f"checkpoint {loaded.step} holds no training state: {type(got).__name__}")
+        self.step = self.job.status.step = step
+        self.state.load_state_dict(got["state"], fresh=False)
+        self._has_state = True
+        if rec is not None:
+            rec.checkpoint_tier = loaded.tier
+        self.log.warning(
+            "restored_from_checkpoint",
+            step=step,
+            tier=loaded.tier,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
+
     def _report(self, rec: Recovery) -> None:
         phases_ms = {k: (e - s) * 1000.0 for k, (s, e) in rec.marks.items()}
-        if rec.role != "start" or rec.incident:
+        if rec.role != "start" or rec.incident or rec.checkpoint_tier:
             for name in PHASES:
                 if name not in rec.marks:
                     continue
@@ -384,6 +461,7 @@ class Session:
                         "phalanx.step": self.step,
                         "phalanx.bytes_received": rec.bytes_received,
                         "phalanx.reused_gradients": rec.reused_grads,
+                        "phalanx.checkpoint.tier": rec.checkpoint_tier,
                     },
                 )
                 span.end(end_time=int(e * 1e9))
@@ -402,4 +480,13 @@ class Session:
         )
 
 
-__all__ = ["PHASES", "Recovery", "RecoveryError", "Removed", "Restore", "Session", "Stateful"]
+__all__ = [
+    "PHASES",
+    "Recovery",
+    "RecoveryError",
+    "Removed",
+    "Restore",
+    "Session",
+    "Stateful",
+    "state_sources",
+]

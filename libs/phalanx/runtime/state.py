@@ -72,6 +72,7 @@ __all__ = [
     "MAX_META_BYTES",
     "MAX_TENSORS",
     "WSUM31",
+    "Packing",
     "StateTransferError",
     "checksum",
     "default_checksum_kind",
@@ -174,6 +175,39 @@ def pack(obj: Any, device: torch.device | None = None) -> tuple[bytes, torch.Ten
     on the CPU.
     """
     target = torch.device("cpu") if device is None else torch.device(device)
+    layout = Packing.of(obj, target)
+    buf = torch.zeros(layout.size, dtype=torch.uint8, device=target)
+    layout.copy_into(buf)
+    return layout.meta, buf
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each tensor of a state goes in its buffer, before any byte is copied.
+
+    :func:`pack` allocates a buffer and fills it; a caller with a buffer of its
+    own (a reused shared-memory snapshot slot) calls :meth:`copy_into` instead,
+    so that taking a snapshot is one copy and no allocation.
+    """
+
+    meta: bytes
+    size: int
+    tensors: list[torch.Tensor]  # flat uint8 views of the state's tensors
+    offsets: list[int]
+
+    @classmethod
+    def of(cls, obj: Any, target: torch.device) -> Packing:
+        return _layout(obj, target)
+
+    def copy_into(self, buf: torch.Tensor) -> None:
+        """Copy every tensor to its offset in ``buf`` (uint8, at least :attr:`size` long)."""
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < self.size:
+            raise ValueError(f"need a 1-d uint8 buffer of at least {self.size} bytes, got {tuple(buf.shape)}")
+        for off, f in zip(self.offsets, self.tensors, strict=True):
+            buf[off : off + f.numel()].copy_(f)  # on a GPU buffer: device to device where it can
+
+
+def _layout(obj: Any, target: torch.device) -> Packing:
     staged = target.type == "cpu"  # a host buffer: every tensor goes through host memory
     tensors: list[torch.Tensor] = []
     hosts: list[bool] = []
@@ -252,13 +286,10 @@ def pack(obj: Any, device: torch.device | None = None) -> tuple[bytes, torch.Ten
         table.append([_DTYPE_NAMES[t.dtype], list(t.shape), end, f.numel(), host])
         offsets.append(end)
         end += _aligned(f.numel())
-    buf = torch.zeros(end, dtype=torch.uint8, device=target)
-    for off, f in zip(offsets, flat, strict=True):
-        buf[off : off + f.numel()].copy_(f)  # on a GPU buffer: device to device where it can
     meta = msgpack.packb({"v": _VERSION, "size": end, "tensors": table, "tree": tree}, use_bin_type=True)
     if len(meta) > MAX_META_BYTES:
         raise StateTransferError(f"state metadata is {len(meta)} bytes, over {MAX_META_BYTES}")
-    return meta, buf
+    return Packing(meta, end, flat, offsets)
 
 
 def _aligned(n: int) -> int:

@@ -15,6 +15,14 @@ grads are views into it), one SUM all-reduce, the optimizer step. The loss of a
 micro-batch of ``n`` samples is scaled by ``n / global_batch``, so the update is
 the gradient of the mean loss over the global batch whatever the world size.
 
+With ``exact_reduce=True`` the gradients are summed in float64 (each micro-batch's
+fp32 gradient added to a float64 buffer, that buffer all-reduced, the sum rounded
+back to fp32 once). A sum of fp32 values in float64 is exact whatever its order,
+so when every micro-batch is the same chunk of the global batch at every world
+size (shards that are multiples of the micro-batch), the update is bitwise the
+same at any size: a resize leaves no trace in the weights. It costs twice the
+all-reduce bytes and a float64 copy of the gradients.
+
 Each gradient all-reduce carries the session's learned per-op timeout (see
 :mod:`phalanx.runtime.session`): the gloo per-op timeout really ends the op, so a
 peer hung inside the all-reduce costs its partners seconds, not the backstop.
@@ -36,7 +44,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,8 +53,11 @@ from torch import nn
 from phalanx.runtime.comm import CommError, Communicator
 from phalanx.runtime.job import Job
 from phalanx.runtime.session import RecoveryError, Removed, Session
-from phalanx.schemas import Phase, Role
+from phalanx.schemas import BatchPlan, Phase, Plan, Role
 from phalanx.telemetry import get_logger
+
+if TYPE_CHECKING:
+    from phalanx.checkpoint.client import Checkpointer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 BatchFn = Callable[[int, int, int], list[Batch]]  # (step, world_size, rank) -> micro-batches
@@ -57,10 +68,17 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 65_537 + rank * 257) % (2**63 - 1)
 
 
+VOTE, LOSS = -2, -1
+"""Slots after the gradients in the all-reduced buffer: the members' resize votes
+(:meth:`Session.resize_vote`) and their shares of the step's loss."""
+
+
 def _flat_grads(params: list[nn.Parameter]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One gradient buffer on the parameters' device, and each parameter's view of it."""
+    """One buffer on the parameters' device: every gradient (each parameter gets its
+    view) followed by the two slots VOTE and LOSS, all-reduced together (or, with
+    ``exact_reduce``, added into the float64 buffer that is)."""
     total = sum(p.numel() for p in params)
-    flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+    flat = torch.zeros(total + 2, dtype=params[0].dtype, device=params[0].device)
     views, off = [], 0
     for p in params:
         views.append(flat[off : off + p.numel()].view_as(p))
@@ -84,18 +102,41 @@ class Trainer:
         rendezvous_timeout_s: float = 60.0,
         plan_timeout_s: float = 120.0,
         on_step: Callable[[int, float], None] | None = None,
+        on_resize: Callable[[int, int, Plan], None] | None = None,
         reuse_local_grads: bool = True,
+        exact_reduce: bool = False,
+        checkpoints: Checkpointer | None = None,
+        checkpoint_every: int = 0,
     ) -> None:
         if global_batch < 1:
             raise ValueError("global_batch must be >= 1")
+        if checkpoint_every < 0 or (checkpoint_every and checkpoints is None):
+            raise ValueError("checkpoint_every needs checkpoints and must be >= 0")
+        # Tiered checkpoints: every checkpoint_every steps one member (a different one
+        # each time, so the work spreads over the nodes) snapshots the state; a group
+        # in which nobody holds state resumes from the newest one.
+        self.checkpoints, self.checkpoint_every = checkpoints, checkpoint_every
         self.job, self.model, self.optimizer = job, model, optimizer
         self.batches, self.loss_fn = batches, loss_fn
         self.global_batch, self.seed = global_batch, seed
         self.data_state = data_state
         self.on_step = on_step
+        self.on_resize = on_resize
         self.log = get_logger(component="trainer", worker=job.worker)
+        # How the current generation splits the global batch (the plan's, when it is
+        # for this global batch), and the optimizer's learning rates it scales.
+        self.batch: BatchPlan | None = None
+        self.base_lr = [float(g["lr"]) for g in optimizer.param_groups]
+        self.lr_scale = 1.0
+        self.last_loss = float("nan")  # the global batch's mean loss of the last step
+        self._world_seen = 0
+        self._switch = False  # the members voted to switch generations after this step
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.flat, self._views = _flat_grads(self.params)
+        # The grads are views into _grads; flat is what is all-reduced: _grads itself,
+        # or with exact_reduce a float64 buffer each micro-batch's gradient is added to.
+        self._grads, self._views = _flat_grads(self.params)
+        self.exact_reduce = exact_reduce
+        self.flat = self._grads.to(torch.float64) if exact_reduce else self._grads
         self.session = Session(
             job,
             self,
@@ -103,6 +144,7 @@ class Trainer:
             collective_timeout_s=collective_timeout_s,
             rendezvous_timeout_s=rendezvous_timeout_s,
             plan_timeout_s=plan_timeout_s,
+            checkpoints=checkpoints,
         )
         self._prefetched: tuple[int, list[Batch]] | None = None
         # This rank's own gradients of the step in flight, kept until its all-reduce
@@ -168,7 +210,8 @@ class Trainer:
                 self._warm_up()
             session.start(self._restore)
             while session.step < steps:
-                if session.superseded():
+                if session.superseded() or self._switch:
+                    self._switch = False
                     session.reconfigure(None, self._restore)
                     continue
                 try:
@@ -181,8 +224,49 @@ class Trainer:
         return session.step
 
     def _restore(self, world_size: int, rank: int) -> None:
+        plan = self.session.plan
+        batch = plan.batch if plan is not None else None
+        if batch is not None and batch.global_batch != self.global_batch:
+            self.log.warning(
+                "batch_plan_ignored",
+                reason=f"the job's global batch is {batch.global_batch}, this trainer's {self.global_batch}",
+            )
+            batch = None
+        self.batch = batch
+        self._set_lr_scale(batch.lr_scale if batch is not None else 1.0)
+        old, self._world_seen = self._world_seen, world_size
+        if batch is not None and old != world_size:
+            self.log.info("batch_plan", world_size=world_size, plan=batch.describe(), lr_scale=self.lr_scale)
+        if self.on_resize is not None and old and old != world_size and plan is not None:
+            self.on_resize(old, world_size, plan)
         step = self.session.step
-        self._prefetched = (step, self.batches(step, world_size, rank))
+        self._prefetched = (step, self._shard(step, world_size, rank))
+
+    def _set_lr_scale(self, scale: float) -> None:
+        """The learning rates as the job's rule sets them for the effective batch."""
+        if scale == self.lr_scale:
+            return
+        for group, base in zip(self.optimizer.param_groups, self.base_lr, strict=True):
+            group["lr"] = base * scale
+        self.lr_scale = scale
+
+    def _shard(self, step: int, world_size: int, rank: int) -> list[Batch]:
+        """This rank's micro-batches of ``step``, cut to its share when the plan caps it."""
+        mbs = self.batches(step, world_size, rank)
+        batch = self.batch
+        if batch is None or batch.effective_batch == batch.global_batch:
+            return mbs
+        left, out = batch.shards[rank], []
+        for x, y in mbs:
+            if left <= 0:
+                break
+            out.append((x[:left], y[:left]))
+            left -= x.shape[0]
+        return out
+
+    @property
+    def effective_batch(self) -> int:
+        return self.batch.effective_batch if self.batch is not None else self.global_batch
 
     def _warm_up(self) -> None:
         """A hot spare runs one forward/backward and one optimizer step on copies
@@ -207,6 +291,7 @@ class Trainer:
             self.log.info("optimizer_warm_up_skipped", error=repr(exc))
         warm_up_group(self.flat)
         self.flat.zero_()
+        self._grads.zero_()
         torch.set_rng_state(rng)
         self.log.info("spare_warm", ms=round((time.perf_counter() - t) * 1000, 1))
 
@@ -215,7 +300,7 @@ class Trainer:
         if self._prefetched is not None and self._prefetched[0] == step:
             mbs = self._prefetched[1]
         else:
-            mbs = self.batches(step, session.world_size, session.rank)
+            mbs = self._shard(step, session.world_size, session.rank)
         self._prefetched = None
         return mbs
 
@@ -238,9 +323,15 @@ class Trainer:
                 session.pending.reused_grads = True
         else:
             self.flat.zero_()
+            total = self.effective_batch
             for x, y in self._micro_batches():
-                loss = self.loss_fn(self.model, x, y) * (x.shape[0] / self.global_batch)
+                loss = self.loss_fn(self.model, x, y) * (x.shape[0] / total)
+                if self.exact_reduce:
+                    self._grads.zero_()
                 loss.backward()
+                if self.exact_reduce:
+                    self.flat[:VOTE] += self._grads[:VOTE]
+                self.flat[LOSS] += loss.detach()
             if self.reuse_local_grads:
                 self._local_grads.copy_(self.flat)  # the all-reduce works in place
                 self._local_key = key
@@ -251,14 +342,32 @@ class Trainer:
                 comm.destroy()
                 raise CommError(f"injected: {self.job.worker} broke its communicator in step {step}")
         self._prefetched = None
+        self.flat[VOTE] = session.resize_vote()
         session.allreduce_(self.flat)
         self._local_key = None
+        if self.exact_reduce:
+            self._grads.copy_(self.flat)  # the one rounding back to fp32
         status.enter(Phase.COMPUTE)
         self.optimizer.step()
+        votes, self.last_loss = self.flat[VOTE:].tolist()
         step_ms = (time.perf_counter() - t0) * 1000.0
         session.committed(step_ms, wall0)
+        self._switch = votes > 0  # every member saw the same sum: all switch after this step
+        self._maybe_checkpoint()
         if self.on_step is not None:
             self.on_step(session.step, step_ms)
+
+    def _maybe_checkpoint(self) -> None:
+        every, session = self.checkpoint_every, self.session
+        if not every or session.step % every or self.checkpoints is None:
+            return
+        if session.rank != (session.step // every) % session.world_size:
+            return  # data parallel: one replica's snapshot is the job's
+        written = self.checkpoints.save({"step": session.step, "state": self.state_dict()}, session.step)
+        if written is not None:
+            self.log.info(
+                "checkpoint_saved", step=session.step, seconds=round(written.seconds, 4), bytes=written.bytes
+            )
 
 
 def warm_up_group(t: torch.Tensor) -> None:

@@ -179,6 +179,89 @@ class NodeDigest(JobMessage):
     entries: list[DigestEntry] = Field(default_factory=list)
 
 
+class LrRule(StrEnum):
+    """How the learning rate follows the effective batch when the global batch
+    cannot be held: ``lr * 1``, ``lr * E/G`` or ``lr * sqrt(E/G)``."""
+
+    NONE = "none"
+    LINEAR = "linear"
+    SQRT = "sqrt"
+
+
+class Elastic(Message):
+    """A job's elasticity: the sizes it may take and how it changes size.
+
+    ``max_world_size`` 0 keeps the job at the size it started with (spares only
+    replace lost ranks); above it, registered spares grow the job up to it. A
+    world size must be one of ``sizes`` when given, and a multiple of ``size_step``.
+    ``micro_batch`` x ``max_accum`` caps what one replica trains per step (0: no
+    cap); when the global batch does not fit under the cap, each replica trains
+    its capped share and the learning rate follows ``lr_rule``.
+    """
+
+    max_world_size: int = Field(
+        default=0, ge=0, description="Largest world a grow may reach (0: the start world)."
+    )
+    sizes: list[int] = Field(
+        default_factory=list, max_length=256, description="Allowed world sizes (empty: any)."
+    )
+    size_step: int = Field(default=1, ge=1, description="World sizes must be multiples of this.")
+    cooldown_s: float = Field(default=10.0, ge=0, description="No grow sooner than this after a change.")
+    grace_s: float = Field(default=30.0, ge=0, description="Time leaving ranks get when a notice gives none.")
+    micro_batch: int = Field(default=0, ge=0, description="Samples per forward of one replica (0: unknown).")
+    max_accum: int = Field(
+        default=0, ge=0, description="Most micro-batches per replica per step (0: no cap)."
+    )
+    lr_rule: LrRule = LrRule.NONE
+    auto_grow: bool = Field(
+        default=True,
+        description="The planner grows on its own; False: only a policy's proposals grow the job.",
+    )
+
+    @model_validator(mode="after")
+    def _valid(self) -> Elastic:
+        if any(n < 1 for n in self.sizes):
+            raise ValueError(f"allowed sizes must be >= 1, got {self.sizes}")
+        if self.max_accum and not self.micro_batch:
+            raise ValueError("max_accum needs micro_batch")
+        return self
+
+    def allowed(self, world: int) -> bool:
+        return world >= 1 and world % self.size_step == 0 and (not self.sizes or world in self.sizes)
+
+
+class BatchPlan(Message):
+    """How a generation splits the global batch: per replica ``shards[r]`` samples in
+    micro-batches of ``micro_batch``; ``effective_batch`` < ``global_batch`` when the
+    per-replica cap cut it, with the learning rate scaled by ``lr_scale``."""
+
+    global_batch: int = Field(ge=1)
+    effective_batch: int = Field(ge=1)
+    world_size: int = Field(ge=1)
+    shards: list[int] = Field(description="Samples each rank trains per step.")
+    micro_batch: int = Field(default=0, ge=0)
+    accum: int = Field(default=1, ge=1, description="Micro-batches of the largest shard.")
+    lr_rule: LrRule = LrRule.NONE
+    lr_scale: float = Field(default=1.0, gt=0)
+
+    @property
+    def held(self) -> bool:
+        return self.effective_batch == self.global_batch
+
+    def describe(self) -> str:
+        per = "/".join(str(n) for n in sorted(set(self.shards), reverse=True))
+        how = f"{self.world_size} replicas x {per} samples"
+        if self.micro_batch:
+            how += f" ({self.accum} micro-batch(es) of {self.micro_batch})"
+        if self.held:
+            return f"global batch {self.global_batch} held: {how}"
+        return (
+            f"global batch {self.global_batch} cannot be held at {self.world_size} replicas "
+            f"(cap {self.micro_batch}x{max(1, self.accum)} per replica): effective batch "
+            f"{self.effective_batch}, lr x {self.lr_scale:.4g} ({self.lr_rule.value})"
+        )
+
+
 class JobSpec(JobMessage):
     """One node's launcher asks to join a job (``phalanx run`` on that node).
 
@@ -206,6 +289,7 @@ class JobSpec(JobMessage):
     )
     global_batch: int = Field(ge=1)
     command: str = Field(default="", max_length=128, description="Fingerprint of the training command.")
+    elastic: Elastic = Field(default_factory=lambda: Elastic(), description="How the job grows and shrinks.")
 
     @model_validator(mode="after")
     def _sizes(self) -> JobSpec:
@@ -215,6 +299,11 @@ class JobSpec(JobMessage):
             raise ValueError("more ranks than workers")
         if len(set(self.workers)) != len(self.workers):
             raise ValueError("a worker appears twice")
+        e = self.elastic
+        if e.max_world_size and self.min_world_size > e.max_world_size:
+            raise ValueError(f"min_world_size {self.min_world_size} > max_world_size {e.max_world_size}")
+        if e.max_world_size and e.max_world_size > self.global_batch:
+            raise ValueError(f"max_world_size {e.max_world_size} > global_batch {self.global_batch}")
         return self
 
     def settings(self) -> dict[str, object]:
@@ -225,6 +314,7 @@ class JobSpec(JobMessage):
             "min_world_size": self.min_world_size,
             "global_batch": self.global_batch,
             "command": self.command,
+            "elastic": self.elastic.model_dump(mode="json"),
         }
 
 
@@ -288,6 +378,18 @@ class Plan(JobMessage):
         max_length=4,
         description="W3C trace context of the incident (traceparent), for whoever reads the plan from KV.",
     )
+    planned: bool = Field(
+        default=False,
+        description="A resize at a step boundary: members switch after the step whose all-reduce says so.",
+    )
+    leaving: list[WorkerId] = Field(
+        default_factory=list,
+        description="Workers that leave gracefully: finish the step, exit 0; fenced only after leave_by.",
+    )
+    leave_by: float = Field(
+        default=0.0, ge=0, description="Wall time after which leaving workers are fenced."
+    )
+    batch: BatchPlan | None = Field(default=None, description="How this generation splits the global batch.")
 
     @model_validator(mode="after")
     def _dense(self) -> Plan:
@@ -332,6 +434,8 @@ class Action(StrEnum):
     STOP = "stop"
     JOIN = "join"  # a node joined the job (its workers are ranks or spares)
     COMPLETE = "complete"  # the members finished: launchers end, spares leave
+    SPAWN = "spawn"  # a launcher is asked to start workers (refill spares, use offered capacity)
+    REJECT = "reject"  # a policy's proposal was refused
 
 
 class PlanDecision(JobMessage):
@@ -342,6 +446,9 @@ class PlanDecision(JobMessage):
     action: Action
     reason: str
     generation: int | None = None
+    world_size: int | None = Field(default=None, description="The world size the decision leads to.")
+    proposal: str | None = Field(default=None, description="The proposal this decision answers.")
+    batch: BatchPlan | None = Field(default=None, description="The new generation's batch split.")
 
 
 class PlanAck(JobMessage):
@@ -363,23 +470,82 @@ class RecoveryDone(JobMessage):
     phases_ms: dict[str, float]
 
 
+CopyState = Literal["complete", "corrupt", "deleted", "failed", "served"]
+
+
+class CheckpointEvent(JobMessage):
+    """A checkpoint copy changed state in a tier (keeper: state-replication).
+
+    ``state``: ``complete`` (the copy and its manifest are there), ``corrupt`` (its
+    bytes fail the manifest's checksums; it is being repaired), ``deleted``
+    (retention), ``failed`` (a write or fetch did not finish; ``detail`` says why),
+    ``served`` (a restore read it: ``tier`` says from where).
+    """
+
+    KIND = "checkpoint"
+    step: int = Field(ge=0)
+    tier: Literal["memory", "disk", "shared", "object"]
+    state: CopyState
+    node: NodeId
+    bytes: int = Field(ge=0)
+    seconds: float = Field(default=0.0, ge=0)
+    detail: str = Field(default="", max_length=500)
+
+
 class CapacityChanged(Message):
+    """Capacity changed in a cluster. ``offered`` (the local cluster) gives, per node,
+    the worker slots offered beyond what its launchers started with: the planner may
+    ask those launchers to start that many more workers."""
+
     KIND = "capacity_changed"
     cluster: str
     available_slots: int = Field(ge=0)
     delta: int
     source: str
     ts: float = Field(default_factory=now)
+    offered: dict[NodeId, int] = Field(
+        default_factory=dict, description="Slots offered per node (local cluster)."
+    )
 
 
 class PreemptionNotice(Message):
+    """The scheduler takes ``workers`` (or every worker on ``nodes``) back within ``deadline_s``."""
+
     KIND = "preemption_notice"
     cluster: str
     job: str | None = None
     workers: list[WorkerId] = Field(default_factory=list)
+    nodes: list[NodeId] = Field(default_factory=list, description="Nodes reclaimed: every worker on them.")
     deadline_s: float = Field(ge=0)
     source: str
+    reason: str = Field(default="", max_length=500)
     ts: float = Field(default_factory=now)
+
+
+class SpawnWorkers(JobMessage):
+    """The planner asks a node's launcher to start workers (as hot spares)."""
+
+    KIND = "spawn_workers"
+    node: NodeId = Field(max_length=64, pattern=_NAME)
+    launcher: str = Field(min_length=1, max_length=64)
+    run: str = Field(max_length=64)
+    workers: list[WorkerId] = Field(min_length=1)
+    reason: str = Field(default="", max_length=500)
+
+
+class Proposal(JobMessage):
+    """A custom policy asks the planner to take the job to ``world_size``.
+
+    The planner validates it (min/max, allowed sizes, spares at hand, the job
+    running) and answers with a :class:`PlanDecision` naming ``id``: GROW/SHRINK
+    with the new generation, or REJECT with the reason.
+    """
+
+    KIND = "proposal"
+    id: str = Field(min_length=1, max_length=64, pattern=_NAME)
+    policy: str = Field(min_length=1, max_length=64)
+    world_size: int = Field(ge=1)
+    reason: str = Field(default="", max_length=500)
 
 
 class ErrorEvent(Message):

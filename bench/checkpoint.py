@@ -1,0 +1,294 @@
+"""Managed tiered checkpoints: what a save blocks, how fast it is durable, how fast it restores.
+
+    python -m bench.checkpoint [--gib 1.0] [--saves 3] [--skip-direct]
+
+One state dict of ``--gib`` GiB (bench/checkpoint_baselines.make_state: a GPT-like
+set of float32 tensors). The "training" side is this process, pinned to CPU 0 with
+one torch thread; everything else -- nats-server, the keepers (state-replication
+processes of nodes n1, n2, n3, n4, each its own shared memory and disk) and the S3
+server (moto, on loopback) -- is pinned to CPU 1, as a training node's spare
+cores would take it.
+
+- ``shm_copy_s``: a plain copy of the state into a reused shared-memory buffer (the
+  floor on this box); ``dcp_async_blocked_s``: ``dcp.async_save`` of the same state
+  with the best stager configuration (all are in ``dcp_async``), timed until the
+  caller may change the state again -- with asynchronous staging that is when
+  staging completes; the call alone is ``dcp_async_call_s``; ``direct_remote_save_s``:
+  ``torch.save`` + upload and synchronous DCP straight to the S3 server, the better.
+- ``blocking_save_s``: ``Checkpointer.save`` (slots reserved first, like the
+  baseline's warm buffer), ``--saves`` times, each once the previous one is in
+  object storage, each right after a plain shared-memory copy in the same
+  conditions (``shm_copy_interleaved_s``); ``durable_lag_s``: save called ->
+  complete in object storage.
+- ``drain_overhead_pct``: mean step time of a fixed compute step while the drains
+  run (replica to n2, disk, shared path, object store) against before the first save.
+- ``restore_memory_s`` (n1, which holds it), ``restore_peer_s`` (n3, fetching from
+  a peer keeper), ``restore_remote_s`` (n4, object storage only, the others gone):
+  ``Checkpointer.load`` plus copying into the training state, verified end to end.
+  ``remote_bytes_read``: bytes fetched from the object store for that restore
+  / state_bytes.
+
+Prints one JSON line last. Needs ~4x the state in /dev/shm and ~6x in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from nats.aio.msg import Msg
+
+from bench.checkpoint_baselines import (
+    dcp_async_blocked_s,
+    direct_remote_save_s,
+    make_state,
+    shm_copy_s,
+    state_bytes,
+)
+from phalanx.bus import Bus
+from phalanx.bus.subjects import CHECKPOINT
+from phalanx.checkpoint import Checkpointer
+from phalanx.localstack import LocalStack
+from phalanx.s3server import S3Server
+from phalanx.schemas import CheckpointEvent, decode
+
+JOB = "bench-ckpt"
+TRAIN_CPU, SYSTEM_CPU = 0, 1
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Every thread of ``pid`` onto ``cpu`` (threads started later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def tails(xs: list[float]) -> dict[str, float]:
+    s = sorted(xs)
+    return {
+        "median": round(statistics.median(s), 4),
+        "p90": round(s[min(len(s) - 1, int(0.9 * len(s)))], 4),
+        "max": round(s[-1], 4),
+    }
+
+
+class Steps:
+    """A fixed compute step (matmuls, ~50 ms on one core): the training loop's stand-in."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.randn(384, 384, generator=g)
+        self.b = torch.randn(384, 384, generator=g)
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        x = self.a
+        for _ in range(24):
+            x = torch.tanh(x @ self.b)
+        float(x.sum())
+        return time.perf_counter() - t0
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, CheckpointEvent]] = []
+
+    async def on_msg(self, raw: Msg) -> None:
+        self.seen.append((time.perf_counter(), decode(raw.data, raw.headers, CheckpointEvent)))
+
+    def complete_at(self, step: int, tier: str) -> float | None:
+        for t, e in self.seen:
+            if (e.step, e.tier, e.state) == (step, tier, "complete"):
+                return t
+        return None
+
+
+def restore_into(ckpt: Checkpointer, into: dict[str, torch.Tensor]) -> tuple[float, str, int]:
+    t0 = time.perf_counter()
+    loaded = ckpt.load()
+    for k, t in into.items():
+        t.copy_(loaded.state["state"][k])
+    total = time.perf_counter() - t0
+    print(f"restore from {loaded.tier}: {total:.3f} s, keeper {loaded.seconds:.3f} s", file=sys.stderr)
+    return total, loaded.tier, loaded.fetched_bytes
+
+
+async def tiered(
+    args: argparse.Namespace, state: dict[str, torch.Tensor], s3: S3Server, work: Path
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    tiers = {
+        **s3.env(),
+        "PHALANX_CKPT_DISK": str(work / "disk"),
+        "PHALANX_CKPT_SHARED": str(work / "shared"),
+        "PHALANX_CKPT_OBJECT": "s3://tiers/ckpt",
+        "PHALANX_CKPT_REPLICAS": "1",
+        "PHALANX_CKPT_FSYNC": "1",
+    }
+    stack = LocalStack(work / "stack", services=())
+    await asyncio.to_thread(stack.start)
+    try:
+        assert stack.server is not None and stack.server.proc is not None
+        pin(stack.server.proc.pid, SYSTEM_CPU)
+        for node in ("n1", "n2", "n3"):
+            key = await asyncio.to_thread(stack.start_keeper, node, tiers)
+            pin(stack.procs[key].pid, SYSTEM_CPU)
+        bus = await Bus.connect(stack.url, name="bench")
+        events = Events()
+        await bus.nc.subscribe(CHECKPOINT.format(job=JOB), cb=events.on_msg)
+        ckpt = Checkpointer(JOB, node="n1", worker="w0", root=stack.shm_root)
+        await asyncio.to_thread(ckpt.reserve, {"step": 0, "state": state})
+        steps = Steps()
+        for _ in range(5):
+            steps.step()
+        baseline = [steps.step() for _ in range(40)]
+        blocking, lag, during, plain = [], [], [], []
+        for i in range(args.saves):
+            step = 100 * (i + 1)
+            plain += shm_copy_s(state, repeats=1)  # the floor, in the same conditions, just before
+            t0 = time.perf_counter()
+            written = ckpt.save({"step": step, "state": state}, step)
+            blocking.append(time.perf_counter() - t0)
+            assert written is not None, "a save found no free slot"
+            deadline = time.monotonic() + 600
+            while events.complete_at(step, "object") is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"checkpoint {step} not in object storage after 600 s")
+                during.append(steps.step())  # the loop goes on while the keeper drains
+                await asyncio.sleep(0)
+            done = events.complete_at(step, "object")
+            assert done is not None
+            lag.append(done - t0)
+        out["blocking_save_s"] = tails(blocking)
+        out["shm_copy_interleaved_s"] = tails(plain)
+        out["durable_lag_s"] = tails(lag)
+        out["step_ms"] = {
+            "no_checkpoint": tails([x * 1e3 for x in baseline]),
+            "draining": tails([x * 1e3 for x in during]),
+        }
+        out["drain_overhead_pct"] = round(
+            (statistics.fmean(during) / statistics.fmean(baseline) - 1) * 100, 2
+        )
+        out["tiers_complete"] = sorted({e.tier for _, e in events.seen if e.state == "complete"})
+
+        last = 100 * args.saves
+        while not any(e.step == last and e.node == "n2" and e.state == "complete" for _, e in events.seen):
+            await asyncio.sleep(0.05)  # the restores run once the last replica is in place
+        into = {k: torch.zeros_like(v) for k, v in state.items()}  # a model's weights: pages already there
+        mem_runs = []
+        for _ in range(3):
+            mem_s, mem_tier, _ = await asyncio.to_thread(restore_into, ckpt, into)
+            assert mem_tier == "memory" and all(torch.equal(into[k], state[k]) for k in state)
+            mem_runs.append(mem_s)
+        peer_ckpt = Checkpointer(JOB, node="n3", worker="w0", root=stack.shm_root)
+        peer_s, peer_tier, _ = await asyncio.to_thread(restore_into, peer_ckpt, into)
+        assert peer_tier == "peer" and all(torch.equal(into[k], state[k]) for k in state)
+
+        for key in list(stack.procs):  # n1..n3 are gone; n4 has only the object store
+            stack.procs[key].kill()
+            stack.procs[key].wait()
+        remote_only = {
+            k: v for k, v in tiers.items() if k not in ("PHALANX_CKPT_DISK", "PHALANX_CKPT_SHARED")
+        }
+        key = await asyncio.to_thread(stack.start_keeper, "n4", remote_only)
+        pin(stack.procs[key].pid, SYSTEM_CPU)
+        for t in into.values():
+            t.zero_()
+        remote_s, remote_tier, fetched = await asyncio.to_thread(
+            restore_into, Checkpointer(JOB, node="n4", worker="w0", root=stack.shm_root), into
+        )
+        assert remote_tier == "object" and all(torch.equal(into[k], state[k]) for k in state)
+        out.update(
+            restore_memory_s=round(statistics.median(mem_runs), 4),
+            restore_memory_runs_s=[round(x, 4) for x in mem_runs],
+            restore_peer_s=round(peer_s, 4),
+            restore_remote_s=round(remote_s, 4),
+            remote_bytes_read=round(fetched / state_bytes(state), 4),
+        )
+        ckpt.close()
+        await bus.close()
+    finally:
+        await asyncio.to_thread(stack.stop)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.checkpoint", description=__doc__.split("\n")[0])
+    p.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
+    p.add_argument("--saves", type=int, default=3, help="timed saves through Phalanx")
+    p.add_argument("--skip-direct", action="store_true", help="skip the (slow) direct-to-S3 baseline")
+    args = p.parse_args(argv)
+    if os.cpu_count() is None or (os.cpu_count() or 0) < 2:
+        p.error("needs 2 CPUs: one for the loop, one for the keepers and the object store")
+    os.sched_setaffinity(0, {TRAIN_CPU})
+    torch.set_num_threads(1)
+    state = make_state(int(args.gib * (1 << 30)))
+    work = Path(tempfile.mkdtemp(prefix="phalanx-bench-ckpt-"))
+    shm_dir = Path(f"/dev/shm/phalanx-bench-{uuid.uuid4().hex[:8]}")
+    os.environ["PHALANX_SHM_ROOT"] = str(shm_dir)
+    try:
+        return run(args, state, work)
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)  # slots and replicas: gigabytes of RAM
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, state: dict[str, torch.Tensor], work: Path) -> int:
+    nbytes = state_bytes(state)
+    result: dict[str, Any] = {"bench": "checkpoint", "state_bytes": nbytes}
+    shm = shm_copy_s(state, repeats=5)
+    result["shm_copy_s"] = tails(shm)
+    dcp_runs = dcp_async_blocked_s(state, str(work), repeats=3)
+    skipped = dcp_runs.pop("skipped")
+    # Blocked = until the caller may change the state again: the call itself, and with
+    # asynchronous staging the staging too (DCP: do not modify the state before
+    # staging_completion). The call alone is reported as dcp_async_call_s.
+    calls = {k: tails(v) for k, v in dcp_runs.items() if not k.endswith("+staged")}
+    blocked = {
+        k: tails(dcp_runs.get(f"{k}+staged", v)) for k, v in dcp_runs.items() if not k.endswith("+staged")
+    }
+    best = min(blocked, key=lambda k: blocked[k]["median"])
+    result["dcp_async"] = {"blocked": blocked, "call": calls, "skipped": skipped, "best": best}
+    result["dcp_async_blocked_s"] = blocked[best]
+    result["dcp_async_call_s"] = calls[best]
+    with S3Server() as s3:  # the tiers' object store, fresh
+        assert s3.proc is not None
+        pin(s3.proc.pid, SYSTEM_CPU)
+        s3.create_bucket("tiers")
+        result.update(asyncio.run(tiered(args, state, s3, work)))
+    if not args.skip_direct:
+        with S3Server() as s3:  # a fresh one: moto keeps what it was sent in memory
+            assert s3.proc is not None
+            pin(s3.proc.pid, SYSTEM_CPU)
+            s3.create_bucket("direct")
+            direct = direct_remote_save_s(state, s3.endpoint, "direct")
+        result["direct_remote"] = {k: round(v, 3) for k, v in direct.items()}
+        result["direct_remote_save_s"] = round(min(direct.values()), 3)
+    med = result["blocking_save_s"]["median"]
+    result["blocking_vs_shm_copy"] = round(med / result["shm_copy_s"]["median"], 3)
+    result["blocking_vs_shm_copy_interleaved"] = round(med / result["shm_copy_interleaved_s"]["median"], 3)
+    result["blocking_vs_dcp_async"] = round(med / result["dcp_async_blocked_s"]["median"], 3)
+    if "direct_remote_save_s" in result:
+        result["save_speedup"] = round(result["direct_remote_save_s"] / med, 1)
+    result["restore_memory_vs_remote"] = round(result["restore_remote_s"] / result["restore_memory_s"], 2)
+    result["restore_peer_vs_remote"] = round(result["restore_remote_s"] / result["restore_peer_s"], 2)
+    result["cpu_layout"] = "loop on cpu0 (1 torch thread); nats, keepers, moto on cpu1"
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The one checkpoint API a training process uses: save, list, latest, load.
+
+``save`` is one copy of the state into a shared-memory slot and returns; the
+node's keeper (state-replication) replicates and drains it. ``list``,
+``latest`` and ``load`` ask that keeper, which knows every tier through the
+catalog and reads from the fastest one that holds a good copy::
+
+    ckpt = Checkpointer("j1")                      # node and worker from the launcher's env
+    ckpt.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step)
+    ...
+    loaded = ckpt.load()                           # the newest complete checkpoint
+    model.load_state_dict(loaded.state["model"])
+    loaded.step, loaded.tier                       # 1200, "peer"
+
+The keeper listens on ``<shm_root>/<node>/keeper.sock``; ``shm_root`` is
+``PHALANX_SHM_ROOT`` (default ``/dev/shm/phalanx``) and ``node`` is
+``PHALANX_KEEPER_NODE``, else ``PHALANX_NODE`` (the launcher's ``--node-id``),
+else the host name: the keeper's ``PHALANX_NODE``. Where the launcher's node id is
+not the keeper's node name (a Kubernetes pod per node: ``train-demo-0`` on node
+``gpu-17``), set ``PHALANX_KEEPER_NODE`` in the training pod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phalanx.checkpoint import wire
+from phalanx.checkpoint.manifest import Manifest
+from phalanx.checkpoint.slots import SlotsBusy, SnapshotSlots, Written, node_name, shm_root
+from phalanx.runtime.state import Packing, unpack
+from phalanx.telemetry import get_logger
+
+
+class NoCheckpoint(LookupError):
+    """No tier holds a complete, intact copy of the checkpoint asked for."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    bytes: int
+    kind: str
+    origin: str  # the node that took it
+    tiers: dict[str, list[str]]  # tier -> nodes holding a complete copy ("-": shared, object)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A loaded checkpoint. For a snapshot, ``state``'s tensors are read-only views into
+    this node's shared memory: copy them into the model (``load_state_dict`` does) and do
+    not keep them across the next ``save``."""
+
+    step: int
+    tier: str  # memory, disk, peer, shared or object: where the keeper found it
+    manifest: Manifest
+    files: dict[str, tuple[Path, int]]  # name -> (file in shared memory, offset of its bytes)
+    state: Any = None
+    seconds: float = 0.0  # the keeper's time to find, fetch and verify it
+    fetched_bytes: int = 0  # what the keeper read from the serving tier (0 from its own memory)
+
+
+class Checkpointer:
+    """``slots`` shared-memory buffers for this process's snapshots: the keeper holds the
+    newest ones it keeps in memory (``PHALANX_CKPT_KEEP_MEMORY``, 2) until newer ones
+    replace them, so ``slots`` must exceed that for every save to find a free one."""
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        node: str | None = None,
+        worker: str | None = None,
+        root: Path | None = None,
+        slots: int = 3,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.job = job
+        self.node = node or os.environ.get("PHALANX_KEEPER_NODE") or node_name()
+        self.worker = worker or os.environ.get("PHALANX_WORKER") or f"pid{os.getpid()}"
+        self.root = root or shm_root()
+        self.slot_count = slots
+        self.timeout_s = timeout_s
+        self.socket = str(self.root / self.node / "keeper.sock")
+        self._slots: SnapshotSlots | None = None
+        self.skipped = 0
+        self.log = get_logger(component="checkpoint", job=job, worker=self.worker)
+
+    # -- save ------------------------------------------------------------------------------
+    def save(self, state: Any, step: int) -> Written | None:
+        """Put ``state`` (what :func:`phalanx.runtime.state.pack` takes: a model's and an
+        optimizer's ``state_dict``, ints, strings...) in shared memory as checkpoint ``step``.
+
+        Returns once the copy is in memory (it outlives this process, not the node);
+        the keeper makes it durable. Returns None, and counts it in ``skipped``, when
+        the keeper still holds every slot: the training loop is never blocked on it.
+        """
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if self._slots is None:
+            self._slots = SnapshotSlots(self.root, self.node, self.job, self.worker, self.slot_count)
+        packing = Packing.of(state, torch.device("cpu"))
+        try:
+            return self._slots.write(step, packing)
+        except SlotsBusy as exc:
+            self.skipped += 1
+            self.log.warning("checkpoint_skipped", step=step, reason=str(exc))
+            return None
+
+    def reserve(self, state: Any) -> int:
+        """Size every free slot for ``state`` and fault its pages in now, so that no later
+        ``save`` of a state this size pays for page faults (a fresh 1 GiB buffer costs
+        about 20x a reused one). Call it once at start, off the critical path; returns
+        the slots prepared."""
+        if self._slots is None:
+            self._slots = SnapshotSlots(self.root, self.node, self.job, self.worker, self.slot_count)
+        return self._slots.reserve(Packing.of(state, torch.device("cpu")))
+
+    def close(self) -> None:
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
+
+    # -- read ------------------------------------------------------------------------------
+    def list(self) -> list[CheckpointInfo]:
+        """Every checkpoint of the job with a complete copy in some tier, newest first."""
+        reply = wire.call(self.socket, {"op": "list", "job": self.job}, self.timeout_s)
+        return [
+            CheckpointInfo(
+                int(c["step"]), int(c["bytes"]), str(c["kind"]), str(c["origin"]), dict(c["tiers"])
+            )
+            for c in reply.get("checkpoints", [])
+        ]
+
+    def latest(self) -> CheckpointInfo | None:
+        got = self.list()
+        return got[0] if got else None
+
+    def fetch(self, step: int | None = None) -> Loaded:
+        """Make checkpoint ``step`` (None: the newest complete one) readable in this node's
+        memory without decoding it; :class:`NoCheckpoint` when no tier has a good copy."""
+        request: dict[str, Any] = {"op": "load", "job": self.job}
+        if step is not None:
+            request["step"] = step
+        try:
+            reply = wire.call(self.socket, request, self.timeout_s)
+        except wire.WireError as exc:
+            raise NoCheckpoint(str(exc)) from None
+        manifest = Manifest.parse(reply["manifest"], "the keeper's manifest")
+        files = {str(n): (Path(p), int(off)) for n, (p, off) in reply["files"].items()}
+        return Loaded(
+            manifest.step,
+            str(reply["tier"]),
+            manifest,
+            files,
+            seconds=float(reply.get("seconds", 0)),
+            fetched_bytes=int(reply.get("fetched_bytes", 0)),
+        )
+
+    def load(self, step: int | None = None) -> Loaded:
+        """:meth:`fetch`, then decode a snapshot's state into ``Loaded.state``.
+
+        The keeper verified the bytes against the manifest's checksums. The tensors
+        map the shared-memory copy privately (copy on write): nothing is read twice,
+        and writing to them never changes the copy."""
+        loaded = self.fetch(step)
+        if loaded.manifest.kind != "snapshot":
+            return loaded  # a DCP checkpoint: read it with phalanx.checkpoint.dcp.TieredReader
+        size = loaded.manifest.file("state.phx").size
+        path, offset = loaded.files["state.phx"]
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), offset + size, access=mmap.ACCESS_COPY)
+        buf = (
+            torch.frombuffer(mm, dtype=torch.uint8)[offset : offset + size]
+            if size
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        return dataclasses.replace(loaded, state=unpack(loaded.manifest.meta, buf))

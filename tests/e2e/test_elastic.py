@@ -1,0 +1,299 @@
+"""Elastic jobs on the namespace cluster: grown and shrunk on cluster signals.
+
+Two nodes (``a``, ``b``) of two ranks each, no spares, NATS and the services
+(failure-detector, elasticity-planner, scheduler-signal) in a namespace of their
+own. Capacity changes go through the public CLI, as an operator would type them
+(``phalanx cluster reclaim b --grace 10s``, ``phalanx cluster offer 1 --node b``);
+the launcher on ``b`` stops its workers or starts new ones, the planner shrinks or
+grows the job at a step boundary. The global batch (12) is held at every size, so
+every step's loss must match the fixed-size run's within rtol 1e-5 (the sums run in
+another order, so not bit for bit); with the Trainer's float64 sums (``exact_reduce``)
+a resized run is bitwise the fixed one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.train_gpt import command as train_command
+from phalanx.localstack import JobResult, LocalStack
+from phalanx.netns import NetnsCluster
+from phalanx.schemas import Action
+from tests.e2e.conftest import SMALL_GPT, netns_cluster, stack_env
+
+pytestmark = pytest.mark.slow
+
+NODES = ["ctl", "a", "b"]
+LAYOUT = {"a": (2, 0), "b": (2, 0)}
+STEPS = 1000  # long enough (~40 s) for two workers to start and warm up one after the other
+SHORT = 250  # for changes that start nothing (~10 s)
+ELASTIC = ["--max-nproc", "4", "--min-nproc", "2", "--cooldown", "0.5s", "--grace", "10s"]
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[NetnsCluster]:
+    with netns_cluster(NODES) as cl:
+        yield cl
+
+
+@pytest.fixture(scope="module")
+def estack(cluster: NetnsCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    with LocalStack(
+        tmp_path_factory.mktemp("estack"),
+        services=("failure-detector", "elasticity-planner", "scheduler-signal"),
+        env=stack_env(tmp_path_factory),
+        cluster=cluster,
+    ) as s:
+        yield s
+
+
+Steps = list[dict[str, float]]
+RunElastic = Callable[..., tuple[JobResult, Steps]]
+
+
+@pytest.fixture(scope="module")
+def run_elastic(estack: LocalStack, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> RunElastic:
+    out = tmp_path_factory.mktemp("el-runs")
+    counter = iter(range(1_000_000))
+
+    def run(
+        *,
+        extra: list[str] | None = None,
+        gpt: list[str] | None = None,
+        job: str = "",
+        steps: int = STEPS,
+        **kwargs: object,
+    ) -> tuple[JobResult, Steps]:
+        job = job or f"el{next(counter)}"
+        steps_log = out / f"{job}.steps"
+        cmd = train_command(steps, corpus, *(gpt or SMALL_GPT), steps_log=steps_log)
+        result = estack.run_nodes(
+            job,
+            cmd,
+            nodes=LAYOUT,
+            global_batch=12,
+            steps_log=steps_log,
+            launcher_args=[*ELASTIC, *(extra or [])],
+            timeout_s=240,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        return result, [json.loads(line) for line in steps_log.read_text().splitlines() if line.strip()]
+
+    return run
+
+
+def cluster_cli(stack: LocalStack, *args: str) -> None:
+    """``phalanx cluster ...`` as an operator runs it (from the host, against the stack's NATS)."""
+    env = {**stack.env, **stack.role_env("admin")}
+    done = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "cluster", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, (args, done.stdout, done.stderr)
+
+
+@pytest.fixture(scope="module")
+def fixed(run_elastic: RunElastic) -> Steps:
+    """The fixed-size run (4 ranks throughout): the losses every resized run must match."""
+    result, steps = run_elastic()
+    assert result.returncode == 0, (result.node_returncodes, result.decisions)
+    assert [p.world_size for p in result.plans] == [4]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    return steps
+
+
+def max_rel_diff(steps: Steps, reference: Steps) -> float:
+    """The largest relative difference of the per-step losses (each step once: the last log of it)."""
+    got = {int(s["step"]): s["loss"] for s in steps}
+    ref = {int(s["step"]): s["loss"] for s in reference}
+    assert got.keys() == ref.keys(), sorted(set(ref) ^ set(got))
+    return max(abs(got[k] - ref[k]) / abs(ref[k]) for k in ref)
+
+
+def membership(result: JobResult) -> list[tuple[Action, int | None]]:
+    return [
+        (d.action, d.world_size)
+        for d in result.decisions
+        if d.action in (Action.START, Action.GROW, Action.SHRINK, Action.REPLACE, Action.STOP)
+    ]
+
+
+def test_resized_4_2_3_4_through_the_cluster_cli_matches_the_fixed_run(
+    run_elastic: RunElastic, fixed: Steps, estack: LocalStack
+) -> None:
+    result, steps = run_elastic(
+        actions=[
+            (5, lambda r: cluster_cli(estack, "reclaim", "b", "--grace", "10s")),
+            (lambda r: r.world_size == 2, lambda r: cluster_cli(estack, "offer", "1", "--node", "b")),
+            (lambda r: r.world_size == 3, lambda r: cluster_cli(estack, "offer", "1", "--node", "b")),
+        ]
+    )
+    assert result.returncode == 0, (result.node_returncodes, result.decisions)
+    assert [p.world_size for p in result.plans] == [4, 2, 3, 4], [d.reason for d in result.decisions]
+    assert membership(result) == [
+        (Action.START, 4),
+        (Action.SHRINK, 2),
+        (Action.GROW, 3),
+        (Action.GROW, 4),
+    ]
+    assert all(p.planned for p in result.plans[1:])
+    worlds = [int(s["world"]) for s in steps]
+    assert {2, 3, 4} <= set(worlds), worlds
+    diff = max_rel_diff(steps, fixed)
+    print(f"loss_max_rel_diff={diff:.3g} over {len(fixed)} steps")
+    assert diff <= RTOL
+    # The reclaim: b's ranks finished their step and exited 0 before the deadline,
+    # and no collective failed anywhere (the switch was agreed in the all-reduce).
+    shrink = result.plans[1]
+    assert sorted(shrink.leaving) == ["b-w0", "b-w1"]
+    gone = {e.worker: e for e in result.exits if e.worker in shrink.leaving}
+    assert {w: e.exit_code for w, e in gone.items()} == {"b-w0": 0, "b-w1": 0}
+    assert all(e.exited_at < shrink.leave_by for e in gone.values())
+    assert not result.comm_errors, result.comm_errors
+    # each change is an incident of its own, with its phases reported by the ranks
+    incidents = {r.incident for r in result.recoveries}
+    assert {p.incident for p in result.plans[1:]} <= incidents
+
+
+def test_rank_lost_without_a_spare_shrinks_then_grows_back_when_capacity_is_offered(
+    run_elastic: RunElastic, fixed: Steps, estack: LocalStack
+) -> None:
+    result, steps = run_elastic(
+        faults="kill:b-w1@step=5",
+        actions=[
+            (
+                lambda r: any(d.action is Action.SHRINK for d in r.decisions),
+                lambda r: cluster_cli(estack, "offer", "1", "--node", "b"),
+            )
+        ],
+    )
+    assert result.returncode == 0, (result.node_returncodes, result.decisions)
+    assert membership(result) == [(Action.START, 4), (Action.SHRINK, 3), (Action.GROW, 4)]
+    spawn = [d.reason for d in result.decisions if d.action is Action.SPAWN]
+    assert len(spawn) == 1 and "on b" in spawn[0], spawn
+    assert max_rel_diff(steps, fixed) <= RTOL
+
+
+def test_lr_is_rescaled_and_reported_when_the_global_batch_cannot_be_held(
+    run_elastic: RunElastic, estack: LocalStack
+) -> None:
+    # 4 replicas x 3 samples fit the cap of 2 micro-batches of 2; 2 replicas would need 6 each
+    result, steps = run_elastic(
+        steps=SHORT,
+        extra=["--micro-batch", "2", "--max-accum", "2", "--lr-rule", "sqrt"],
+        actions=[(5, lambda r: cluster_cli(estack, "reclaim", "b", "--grace", "10s"))],
+    )
+    assert result.returncode == 0, (result.node_returncodes, result.decisions)
+    shrink = next(d for d in result.decisions if d.action is Action.SHRINK)
+    assert shrink.batch is not None and shrink.batch.effective_batch == 8
+    assert math.isclose(shrink.batch.lr_scale, math.sqrt(8 / 12))
+    assert "cannot be held" in shrink.reason and "sqrt" in shrink.reason, shrink.reason
+    before = [s for s in steps if s["world"] == 4]
+    after = [s for s in steps if s["world"] == 2]
+    assert before and after
+    assert all(s["batch"] == 12 and s["lr_scale"] == 1.0 for s in before)
+    assert all(s["batch"] == 8 and math.isclose(s["lr_scale"], math.sqrt(8 / 12)) for s in after)
+
+
+def test_a_policy_process_proposes_a_committed_resize_and_an_invalid_one_is_rejected(
+    run_elastic: RunElastic, estack: LocalStack, tmp_path: Path
+) -> None:
+    answers: list[dict[str, str]] = []
+
+    def propose(r: JobResult) -> None:
+        env = {**estack.env, **estack.role_env("admin")}
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.workers.propose", "--job", r.job, "5", "3", "2"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        answers.extend(json.loads(x) for x in done.stdout.splitlines() if x.startswith('{"size"'))
+
+    result, _ = run_elastic(
+        job="el-policy",
+        steps=SHORT,
+        extra=["--no-auto-grow", "--sizes", "2,4"],
+        actions=[(5, propose)],
+    )
+    assert result.returncode == 0, (result.node_returncodes, result.decisions)
+    assert [a["action"] for a in answers] == ["reject", "reject", "shrink"], answers
+    assert "5 ranks is not allowed: min 2, max 4, sizes [2, 4]" in answers[0]["reason"]
+    assert "3 ranks is not allowed" in answers[1]["reason"]
+    assert [p.world_size for p in result.plans] == [4, 2] and result.plans[1].planned
+    assert not result.comm_errors
+
+
+def test_a_preemption_notice_from_the_kubernetes_stream_is_honoured_the_same_way(
+    run_elastic: RunElastic, estack: LocalStack, cluster: NetnsCluster
+) -> None:
+    from k8s_api import FakeKubeApi, job_pod, node  # tests/ is on sys.path
+
+    job = "el-k8s"
+    pod = job_pod("train-b", job=job, worker=None, node="gpu-b", slots=2, grace_s=10)
+    pod["metadata"].setdefault("annotations", {})["phalanx.io/workers"] = "b-w0,b-w1"
+    with FakeKubeApi(nodes=[node("gpu-a", 2), node("gpu-b", 2)], pods=[pod], host=cluster.host_ip) as api:
+        env = {
+            **estack.env,
+            "PHALANX_K8S": "1",
+            "PHALANX_K8S_API": api.url,
+            "PHALANX_K8S_NAMESPACE": api.namespace,
+            "PHALANX_CLUSTER_NAME": "k8s",
+            "PHALANX_LOCAL_CLUSTER": "0",
+        }
+        argv = cluster.argv("ctl", [sys.executable, "-m", "phalanx.services.scheduler_signal"])
+        signal_svc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            api.wait_watching("pods", 2)
+            result, _ = run_elastic(job=job, steps=SHORT, actions=[(5, lambda r: api.disrupt("b-w0"))])
+        finally:
+            signal_svc.terminate()
+            signal_svc.wait(15)
+    assert result.returncode == 0, (result.node_returncodes, result.decisions)
+    assert membership(result) == [(Action.START, 4), (Action.SHRINK, 2)]
+    shrink = result.plans[1]
+    assert shrink.planned and sorted(shrink.leaving) == ["b-w0", "b-w1"]
+    reason = next(d.reason for d in result.decisions if d.action is Action.SHRINK)
+    assert "pod default/train-b on gpu-b: PreemptionByScheduler" in reason, reason
+    gone = {e.worker: e for e in result.exits if e.worker in shrink.leaving}
+    assert {w: e.exit_code for w, e in gone.items()} == {"b-w0": 0, "b-w1": 0}
+    assert all(e.exited_at < shrink.leave_by for e in gone.values())
+    assert not result.comm_errors
+
+
+def test_with_exact_reduce_a_resized_run_is_bitwise_the_fixed_run(estack: LocalStack, tmp_path: Path) -> None:
+    # The bench's MLP (bench/elastic_mlp.py): micro-batches of 4 cut at the same
+    # places of the global batch (48) at 4 and 2 ranks, summed in float64. (A grow
+    # moves a copy of the state: nothing to round there; bench.elastic runs 4-2-3-4.)
+    def run(job: str, actions: list[tuple[object, Callable[[JobResult], object]]]) -> tuple[JobResult, Steps]:
+        log, save = tmp_path / f"{job}.steps", tmp_path / f"{job}.pt"
+        cmd = [sys.executable, "-m", "bench.elastic_mlp", "--steps", "80", "--global-batch", "48",
+               "--micro-batch", "4", "--exact-reduce", "--steps-log", str(log), "--save", str(save)]  # fmt: skip
+        result = estack.run_nodes(
+            job, cmd, nodes=LAYOUT, global_batch=48, steps_log=log, launcher_args=ELASTIC,
+            actions=actions, timeout_s=240,
+        )  # fmt: skip
+        assert result.returncode == 0, (result.node_returncodes, result.decisions)
+        return result, [json.loads(x) for x in log.read_text().splitlines()]
+
+    _, fixed_steps = run("exact-fixed", [])
+    resized, steps = run(
+        "exact-resized", [(5, lambda r: cluster_cli(estack, "reclaim", "b", "--grace", "10s"))]
+    )
+    assert [p.world_size for p in resized.plans] == [4, 2]
+    assert {4, 2} == {int(s["world"]) for s in steps}
+    assert {int(s["step"]): s["loss"] for s in steps} == {int(s["step"]): s["loss"] for s in fixed_steps}
+    a = torch.load(tmp_path / "exact-fixed.pt")
+    b = torch.load(tmp_path / "exact-resized.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

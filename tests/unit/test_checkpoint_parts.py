@@ -1,0 +1,184 @@
+"""The parts of tiered checkpointing that need no server: manifests, retention, slots,
+the keeper's configuration and its wire frames. Bad input: a clear error, no change."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+from phalanx.services.state_replication.service import keeper_config
+
+from phalanx.checkpoint.manifest import Manifest, ManifestError, crc_chunks
+from phalanx.checkpoint.slots import SlotFile, SlotsBusy, SlotState, SnapshotSlots
+from phalanx.checkpoint.tiers import DirTier, RetentionPolicy, Tier
+from phalanx.checkpoint.wire import MAX_FRAME, WireError, _decode, encode_frame
+from phalanx.runtime.state import Packing, unpack
+
+
+def manifest(**change: object) -> bytes:
+    m = json.loads(Manifest.of_buffers("j1", 7, "n1", {"state.phx": b"x" * 100}, chunk=64).encode())
+    m.update(change)
+    return json.dumps(m).encode()
+
+
+# -- manifests ---------------------------------------------------------------------------------
+def test_a_manifest_round_trips_and_verifies_its_data() -> None:
+    m = Manifest.parse(manifest())
+    assert (m.job, m.step, m.origin, m.total_bytes) == ("j1", 7, "n1", 100)
+    assert m.file("state.phx").crc32 == crc_chunks(b"x" * 100, 64)
+    m.verify_file("state.phx", b"x" * 100)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"{not json", "not a valid manifest"),
+        (manifest(version=2), "version"),
+        (manifest(step=-1), "step"),
+        (manifest(job="a b"), "job"),
+        (manifest(files=[]), "files"),
+        (manifest(files=[{"name": "../etc/passwd", "size": 1, "crc32": [0]}]), "unsafe file name"),
+        (manifest(files=[{"name": "MANIFEST.json", "size": 1, "crc32": [0]}]), "may not be named"),
+        (manifest(files=[{"name": "a", "size": 100, "crc32": [0]}]), "has 1 checksums for 100 bytes"),
+        (manifest(surprise=1), "surprise"),
+    ],
+)
+def test_a_bad_manifest_is_refused_saying_what_is_wrong(raw: bytes, message: str) -> None:
+    with pytest.raises(ManifestError, match=message):
+        Manifest.parse(raw, "test")
+
+
+def test_data_that_does_not_match_its_manifest_is_refused() -> None:
+    m = Manifest.parse(manifest())
+    with pytest.raises(ManifestError, match="99 bytes, the manifest says 100"):
+        m.verify_file("state.phx", b"x" * 99)
+    with pytest.raises(ManifestError, match=r"checksum mismatch in chunk\(s\) \[1\]"):
+        m.verify_file("state.phx", b"x" * 64 + b"y" + b"x" * 35)
+    with pytest.raises(ManifestError, match="has no file 'other'"):
+        m.verify_file("other", b"")
+
+
+# -- retention ---------------------------------------------------------------------------------
+def test_retention_keeps_the_newest_and_every_multiple() -> None:
+    assert RetentionPolicy(2).expired([30, 10, 20]) == [10]
+    assert RetentionPolicy(1, 100).expired([100, 150, 200, 250]) == [150]
+    assert RetentionPolicy(5).expired([1, 2]) == []
+
+
+@pytest.mark.parametrize(
+    "text", ["", "0", "last=0", "every=10", "last=2,last=3", "last=x", "keep=2", "2,every=-1"]
+)
+def test_bad_retention_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="retention"):
+        RetentionPolicy.parse(text)
+
+
+# -- the keeper's configuration ------------------------------------------------------------------
+def test_the_keeper_reads_its_tiers_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PHALANX_CKPT_DISK", str(tmp_path / "d"))
+    monkeypatch.setenv("PHALANX_CKPT_OBJECT", "s3://b/p")
+    monkeypatch.setenv("PHALANX_CKPT_REPLICAS", "2")
+    monkeypatch.setenv("PHALANX_CKPT_KEEP_OBJECT", "last=3,every=1000")
+    cfg = keeper_config("n1")
+    assert (cfg.disk_root, cfg.shared_root, cfg.object_url, cfg.replicas) == (
+        tmp_path / "d",
+        None,
+        "s3://b/p",
+        2,
+    )
+    assert cfg.retention[Tier.OBJECT] == RetentionPolicy(3, 1000)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("PHALANX_CKPT_REPLICAS", "-1", "PHALANX_CKPT_REPLICAS must be a whole number >= 0"),
+        ("PHALANX_KEEPER_PORT", "http", "PHALANX_KEEPER_PORT must be a whole number >= 0"),
+        ("PHALANX_CKPT_KEEP_DISK", "last=0", "PHALANX_CKPT_KEEP_DISK: retention"),
+    ],
+)
+def test_a_bad_keeper_setting_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, message: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        keeper_config("n1")
+
+
+# -- slots -------------------------------------------------------------------------------------
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    path = Path("/dev/shm") / f"phalanx-unit-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_snapshot_slot_holds_the_state_bytes_and_its_layout(shm: Path) -> None:
+    state = {"w": torch.arange(10.0), "step": 3}
+    slots = SnapshotSlots(shm, "n1", "j1", "w0", count=2)
+    written = slots.write(3, Packing.of(state, torch.device("cpu")))
+    f = SlotFile(written.path)
+    h = f.header()
+    assert (h.state, h.step, h.seq) == (SlotState.READY, 3, 1)
+    got = unpack(h.meta, torch.frombuffer(bytearray(f.data(h)), dtype=torch.uint8))
+    assert torch.equal(got["w"], state["w"]) and got["step"] == 3
+    f.close()
+    slots.close()
+
+
+def test_held_slots_are_never_overwritten_and_a_half_written_one_is_reused(shm: Path) -> None:
+    packing = Packing.of({"w": torch.ones(4)}, torch.device("cpu"))
+    slots = SnapshotSlots(shm, "n1", "j1", "w0", count=2)
+    a, b = slots.write(1, packing), slots.write(2, packing)
+    for w in (a, b):
+        f = SlotFile(w.path)
+        f.set_state(SlotState.HELD)
+        f.close()
+    with pytest.raises(SlotsBusy, match="all 2 snapshot slots of w0"):
+        slots.write(3, packing)
+    f = SlotFile(a.path)
+    f.set_state(SlotState.WRITING)  # this rank died in the middle of writing it
+    f.close()
+    assert slots.write(3, packing).path == a.path
+    slots.close()
+
+
+def test_a_file_too_short_to_be_a_slot_is_refused(shm: Path) -> None:
+    shm.mkdir(parents=True)
+    (shm / "x.slot").write_bytes(b"short")
+    with pytest.raises(ValueError, match="is not a snapshot slot"):
+        SlotFile(shm / "x.slot")
+
+
+# -- directory tiers -----------------------------------------------------------------------------
+def test_a_dir_tier_lists_only_complete_copies(tmp_path: Path) -> None:
+    tier = DirTier(Tier.DISK, tmp_path, fsync=False)
+    data = {"state.phx": b"abc" * 10}
+    m = Manifest.of_buffers("j1", 5, "n1", data)
+    tier.put(m, lambda name: memoryview(data[name]))
+    (tmp_path / "j1" / ".partial-000000000006-dead").mkdir()  # a write that was killed
+    assert [x.step for x in tier.manifests("j1")] == [5]
+    assert tier.damage(m) == []
+    assert tier.clean_partials("j1") == 1
+    tier.delete("j1", 5)
+    assert tier.manifests("j1") == []
+
+
+# -- wire frames ---------------------------------------------------------------------------------
+def test_frames_that_are_not_the_protocol_are_refused() -> None:
+    with pytest.raises(WireError, match="not a map"):
+        _decode(msgpack.packb([1, 2]))
+    with pytest.raises(WireError, match="not msgpack"):
+        _decode(b"\xc1")
+    with pytest.raises(WireError, match="over"):
+        encode_frame({"x": b"y" * (MAX_FRAME + 1)})
+    assert struct.unpack(">I", encode_frame({"op": "list"})[:4])[0] == len(msgpack.packb({"op": "list"}))
