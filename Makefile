@@ -12,8 +12,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch==2.13.0 resolves to the CPU wheel on local disk on the dev/CI machines.
-	$(PY) -m pip install -q -e '.[test]'
+	# constraints.txt pins torch to the CPU wheel on local disk on the dev/CI machines.
+	$(PY) -m pip install -q -c constraints.txt -e '.[server,test]'
 	@touch $(STAMP)
 
 test: venv

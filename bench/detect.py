@@ -71,6 +71,7 @@ from phalanx.schemas import (
 )
 from phalanx.schemas.codec import headers_for
 from phalanx.service import ping
+from phalanx.settings import get_settings
 from phalanx.telemetry import setup_logging
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -840,7 +841,7 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(simulate(url, int(proc), [int(k) for k in nodes.split(",")], float(interval), int(seed)))
         return
     a = parse(args)
-    setup_logging("bench-detect", os.environ.get("PHALANX_LOG_LEVEL", "WARNING"))  # JSON lines on stderr
+    setup_logging("bench-detect", get_settings().log_level or "WARNING")  # JSON lines on stderr
     keep = os.environ.get("PHALANX_BENCH_DIR")
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-detect-") as tmp:
         work = Path(keep) if keep else Path(tmp)

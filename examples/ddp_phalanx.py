@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from examples.mlp import MLP, StepLog, local_device, parse_args, regression_data, save_weights
 from phalanx.runtime import ElasticSampler, init
+
+from .mlp import MLP, StepLog, local_device, parse_args, regression_data, save_weights
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         opt.step()
         sched.step()
+        job.report_loss(loss)  # kept with the step for `phalanx report`
         log.step(step, loss, job.rank)
     if job.rank == 0:
         save_weights(model.module, args.save)

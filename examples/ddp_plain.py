@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from examples.mlp import MLP, StepLog, infinite, local_device, parse_args, regression_data, save_weights
+from .mlp import MLP, StepLog, infinite, local_device, parse_args, regression_data, save_weights
 
 
 def main(argv: list[str] | None = None) -> int:

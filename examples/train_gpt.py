@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from examples.corpus import DEFAULT_OUT, build_corpus
-from examples.gpt import GPT, GPTConfig
 from phalanx.checkpoint import Checkpointer
 from phalanx.runtime.data import DataStream
 from phalanx.runtime.job import init
 from phalanx.runtime.trainer import Trainer
+
+from .corpus import DEFAULT_OUT, build_corpus
+from .gpt import GPT, GPTConfig
 
 SMALL = ["--n-layer", "2", "--n-embd", "64", "--seq-len", "64", "--global-batch", "12", "--micro-batch", "2"]
 """A GPT small enough for many CPU ranks on one machine (~50 ms a step): tests and demo."""
@@ -41,7 +42,7 @@ def command(
     steps_log: str | os.PathLike[str] | None = None,
 ) -> list[str]:
     """The command line that runs this script (what ``phalanx run -- ...`` is given)."""
-    cmd = [sys.executable, "-m", "examples.train_gpt", "--steps", str(steps), "--data", str(data)]
+    cmd = [sys.executable, "-m", __name__, "--steps", str(steps), "--data", str(data)]
     if save is not None:
         cmd += ["--save", str(save)]
     if steps_log is not None:

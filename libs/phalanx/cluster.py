@@ -258,7 +258,7 @@ async def connect(url: str | None = None, timeout_s: float = CONNECT_TIMEOUT_S) 
         why = "no answer" if isinstance(exc, TimeoutError) else repr(exc)
         raise ClusterError(
             f"cannot reach NATS at {_where(target)} ({why} within {timeout_s:g} s): "
-            "start a server with `phalanx nats` or point NATS_URL at one"
+            "start the control plane with `phalanx up` or point NATS_URL at one"
         ) from None
 
 

@@ -103,8 +103,8 @@ def _cluster(stack: LocalStack, *args: str) -> None:
 
 def _elastic(stack: LocalStack, corpus: Path, work: Path, steps: int) -> bool:
     """Part 3: reclaim and offers on a two-node job; True when its losses match the fixed run's."""
-    from examples.train_gpt import SMALL
-    from examples.train_gpt import command as train_command
+    from phalanx.examples.train_gpt import SMALL
+    from phalanx.examples.train_gpt import command as train_command
 
     args = ["--max-nproc", "4", "--min-nproc", "2", "--cooldown", "1s"]
     runs: dict[str, list[dict[str, float]]] = {}
@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default="kill:w2@step=12,stop:w1@step=26")
     ap.add_argument("--elastic-steps", type=int, default=500, help="steps of the elastic part")
     args = ap.parse_args(argv)
-    from examples.corpus import DEFAULT_OUT, build_corpus
-    from examples.train_gpt import command as train_command
+    from phalanx.examples.corpus import DEFAULT_OUT, build_corpus
+    from phalanx.examples.train_gpt import command as train_command
 
     setup_logging("demo", level="WARNING")  # the story goes to stdout, warnings as JSON to stderr
     work = Path(args.workdir)

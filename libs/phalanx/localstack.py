@@ -46,6 +46,7 @@ from nats.aio.msg import Msg
 from phalanx.bus import Bus
 from phalanx.bus._connection import ENV_NATS_PASSWORD, ENV_NATS_USER
 from phalanx.bus.subjects import COMM_ERROR, DECISION, EXITED, FAILED, HUNG, NODE_LOST, PLAN, RECOVERED
+from phalanx.lifecycle import exit_on_sigterm
 from phalanx.natsauth import ROLE_OF_SERVICE, NatsAuth
 from phalanx.natsserver import NatsServer
 from phalanx.netns import NetnsCluster
@@ -122,8 +123,14 @@ class LocalStack:
         auth: bool = False,
         cluster: NetnsCluster | None = None,
         control: str = "ctl",
+        nats_host: str = "127.0.0.1",
+        nats_port: int | None = None,
+        service_env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.cluster = cluster
+        self.nats_host = nats_host
+        self.nats_port = nats_port  # None: a free one
+        self.service_env = service_env or {}  # added to each service's environment, by name
         self.control = control
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -132,6 +139,7 @@ class LocalStack:
         self.env.setdefault("PHALANX_SPAN_FILE", str(self.workdir / "spans.jsonl"))
         self.server: NatsServer | None = None
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._spawned: dict[str, tuple[list[str], dict[str, str]]] = {}
         self.with_auth = auth
         self.auth: NatsAuth | None = None  # the users, once start() made them
 
@@ -162,6 +170,7 @@ class LocalStack:
                     os.environ[k] = v
 
     def start(self) -> LocalStack:
+        exit_on_sigterm()  # a SIGTERM of this process runs stop() (in `with` or finally)
         if self.with_auth and os.environ.get("NATS_URL"):
             raise ValueError("LocalStack(auth=True) configures its own nats-server: unset NATS_URL")
         if not os.environ.get("NATS_URL"):
@@ -169,9 +178,13 @@ class LocalStack:
             if self.with_auth:
                 self.auth = NatsAuth.generate()
                 conf = self.auth.write_config(self.workdir / "nats.conf", listen=None)
-            host = self.cluster.ip(self.control) if self.cluster is not None else "127.0.0.1"
+            host = self.cluster.ip(self.control) if self.cluster is not None else self.nats_host
             self.server = NatsServer(
-                store_dir=self.workdir / "nats", config_file=conf, host=host, argv_prefix=self._argv([])
+                port=self.nats_port,
+                store_dir=self.workdir / "nats",
+                config_file=conf,
+                host=host,
+                argv_prefix=self._argv([]),
             ).start()
             self.env["NATS_URL"] = self.server.url
         shm = str(self.shm_root)  # ranks and keepers share it
@@ -190,12 +203,23 @@ class LocalStack:
         n = 1 + sum(1 for k in self.procs if k.split("#")[0] == name)
         key = name if n == 1 else f"{name}#{n}"
         log = open(self.workdir / f"{key.replace('#', '-')}.log", "ab")
-        full = {**self.env, **self.role_env(ROLE_OF_SERVICE[name]), **(env or {})}
-        self.procs[key] = subprocess.Popen(
-            self._argv([sys.executable, "-m", SERVICE_MODULES[name]], node), env=full, stdout=log, stderr=log
-        )
+        full = {
+            **self.env,
+            **self.role_env(ROLE_OF_SERVICE[name]),
+            **self.service_env.get(name, {}),
+            **(env or {}),
+        }
+        argv = self._argv([sys.executable, "-m", SERVICE_MODULES[name]], node)
+        self._spawned[key] = (argv, full)
+        self.procs[key] = subprocess.Popen(argv, env=full, stdout=log, stderr=log)
         log.close()
         return key
+
+    def respawn(self, key: str) -> None:
+        """Start service process ``key`` again as it was first started (it exited)."""
+        argv, env = self._spawned[key]
+        with open(self.workdir / f"{key.replace('#', '-')}.log", "ab") as log:
+            self.procs[key] = subprocess.Popen(argv, env=env, stdout=log, stderr=log)
 
     def start_keeper(self, node: str, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> str:
         """Start ``node``'s checkpoint keeper (a state-replication process there, reachable

@@ -570,7 +570,7 @@ class NatsAuth:
         override ``listen`` and the JetStream store directory (which must then not be
         set here: the server refuses a store directory given twice).
         ``authorization_only``: just the ``authorization`` block, for an existing
-        config to ``include`` (e.g. the cluster config of deploy/k8s/nats.yaml).
+        config to ``include`` (e.g. the cluster config of deploy/k8s/base/nats).
         """
         conf: dict[str, object] = {}
         if authorization_only:

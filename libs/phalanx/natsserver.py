@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from phalanx.lifecycle import exit_on_sigterm
+
 
 class NatsServerError(RuntimeError):
     pass
@@ -151,6 +153,7 @@ class NatsServer:
     def start(self, timeout_s: float = 15.0) -> NatsServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
+        exit_on_sigterm()  # a SIGTERM of this process runs the stop() in its finally/with
         for _ in range(4):
             try:
                 return self._start(timeout_s)

@@ -51,6 +51,7 @@ from phalanx.bus.subjects import (
     RECOVERED,
     REGISTERED,
     SPAWN,
+    STEPS,
     Subject,
     Transport,
 )
@@ -87,6 +88,8 @@ from phalanx.schemas import (
     Registered,
     Role,
     SpawnWorkers,
+    StepRecord,
+    StepStats,
     registry,
 )
 from phalanx.schemas.codec import ENCODING, HDR_ENCODING, HDR_KIND, HDR_SCHEMA
@@ -123,7 +126,8 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     JOINED.pattern: (("elasticity-planner",), ("launcher",)),
     DECISION.pattern: (("elasticity-planner",), ("launcher", "policy", "operator")),
     ACK.pattern: (("rank",), ("elasticity-planner",)),
-    RECOVERED.pattern: (("rank",), ("state-replication", "policy", "operator")),
+    RECOVERED.pattern: (("rank",), ("elasticity-planner", "state-replication", "policy", "operator")),
+    STEPS.pattern: (("launcher",), ("operator",)),
     CHECKPOINT.pattern: (("state-replication",), ("policy", "operator")),
     JOB_SPEC.pattern: (("launcher",), ("elasticity-planner",)),
     # Ranks and launchers also follow the plan in the job's KV record (phalanx_jobs/<job>.plan).
@@ -344,6 +348,19 @@ def examples() -> dict[str, Message]:
                 "data_restore": 1.2,
                 "first_step": 90.0,
             },
+        ),
+        StepStats(
+            job="j1",
+            ts=ts,
+            node="node-a",
+            launcher="node-a-1a2b3c",
+            seq=17,
+            steps=[
+                StepRecord(
+                    worker="node-a-w0", rank=0, generation=2, step=121, step_ms=84.2, loss=2.31, at=ts - 0.4
+                ),
+                StepRecord(worker="node-a-w1", rank=1, generation=2, step=121, step_ms=85.0, at=ts - 0.4),
+            ],
         ),
         CapacityChanged(
             cluster="local", available_slots=6, delta=2, source="local", ts=ts, offered={"node-b": 2}

@@ -38,6 +38,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from phalanx.lifecycle import exit_on_sigterm
 from phalanx.natsserver import free_port
 
 ACCESS_KEY_ID = "testing"
@@ -88,6 +89,7 @@ class S3Server:
     def start(self, timeout_s: float = 20.0) -> S3Server:
         if self.proc is not None and self.proc.poll() is None:
             return self
+        exit_on_sigterm()  # a SIGTERM of this process runs the stop() in its finally/with
         for _ in range(3):
             try:
                 return self._start(timeout_s)

@@ -25,34 +25,26 @@ from nats.aio.msg import Msg
 
 from phalanx.bus import Bus
 from phalanx.bus.subjects import HEALTH
+from phalanx.metrics import Metrics, MetricsServer, serve_metrics
 from phalanx.schemas import HealthReply, Ping, encode
+from phalanx.settings import get_settings
 from phalanx.telemetry import get_logger, setup_logging, setup_tracing, shutdown_tracing
-
-
-def env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a number") from exc
-
-
-def env_str(name: str, default: str) -> str:
-    return os.environ.get(name) or default
 
 
 class Service:
     """Base of the four services. Subclasses set ``name`` and override :meth:`start`."""
 
     name: ClassVar[str] = "service"
+    metrics_type: ClassVar[type[Metrics]] = Metrics
+    """The service's metrics (:mod:`phalanx.metrics`); a subclass names its own set."""
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self.log = get_logger(component=self.name)
         self.started = time.monotonic()
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.metrics = self.metrics_type(self.name, self.instance)
+        self.metrics_url = ""  # where run_service serves them ("": not served)
 
     async def start(self) -> None:
         """Subscribe to inputs and start background tasks."""
@@ -69,7 +61,10 @@ class Service:
             status="ok" if self.bus.nc.is_connected else "degraded",
             uptime_s=time.monotonic() - self.started,
             instance=self.instance,
-            details=self.health_details(),
+            details={
+                **self.health_details(),
+                **({"metrics_url": self.metrics_url} if self.metrics_url else {}),
+            },
         )
 
     async def serve_health(self) -> None:
@@ -84,12 +79,23 @@ class Service:
 async def run_service(
     cls: type[Service], *, url: str | None = None, stop: asyncio.Event | None = None, **kwargs: Any
 ) -> None:
-    """Run ``cls`` until SIGTERM/SIGINT (or ``stop`` is set), then shut down gracefully."""
+    """Run ``cls`` until SIGTERM/SIGINT (or ``stop`` is set), then shut down gracefully.
+
+    A malformed ``PHALANX_*`` setting raises :class:`~phalanx.settings.SettingsError`
+    before anything starts (a service's ``__main__`` turns it into exit status 2)."""
+    get_settings()
     setup_logging(cls.name)
     setup_tracing(cls.name)
     log = get_logger(component=cls.name)
     bus = await Bus.connect(url, name=cls.name)
     svc = cls(bus, **kwargs)
+    metrics: MetricsServer | None = None
+    try:
+        metrics = await serve_metrics(svc.metrics, log)
+    except BaseException:
+        await bus.close()
+        raise
+    svc.metrics_url = metrics.url if metrics is not None else ""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -109,6 +115,8 @@ async def run_service(
     finally:
         log.info("service_stopping")
         await svc.stop()
+        if metrics is not None:
+            await metrics.stop()
         await bus.close()
         shutdown_tracing()
         log.info("service_stopped")

@@ -69,6 +69,8 @@ from phalanx.services.elasticity_planner.policy import (
     state_from_dict,
     state_to_dict,
 )
+from phalanx.services.elasticity_planner.recoveries import Fault as FaultSeen
+from phalanx.services.elasticity_planner.recoveries import RecoveryBook, cause_class
 
 from phalanx.batchplan import plan_for
 from phalanx.bus import COMMANDS, EVENTS, JOBS_BUCKET, SCHED, Bus
@@ -86,10 +88,12 @@ from phalanx.bus.subjects import (
     PLAN,
     PREEMPT,
     PROPOSAL,
+    RECOVERED,
     REGISTERED,
     SPAWN,
 )
 from phalanx.bus.topology import kv_latest
+from phalanx.metrics import PlannerMetrics
 from phalanx.runtime.addr import split_addr
 from phalanx.runtime.follow import record_key
 from phalanx.schemas import (
@@ -112,6 +116,7 @@ from phalanx.schemas import (
     RankExited,
     RankFailed,
     RankHung,
+    RecoveryDone,
     Registered,
     Role,
     SpawnWorkers,
@@ -119,7 +124,8 @@ from phalanx.schemas import (
     encode,
     headers_for,
 )
-from phalanx.service import Service, env_float
+from phalanx.service import Service
+from phalanx.settings import get_settings
 from phalanx.telemetry import inject_headers
 
 _tracer = trace.get_tracer("phalanx.planner")
@@ -142,6 +148,8 @@ class _Pending:
 
 class ElasticityPlanner(Service):
     name = "elasticity-planner"
+    metrics_type = PlannerMetrics
+    metrics: PlannerMetrics
 
     def __init__(self, bus: Bus, policy: Policy | None = None) -> None:
         super().__init__(bus)
@@ -152,25 +160,31 @@ class ElasticityPlanner(Service):
         self._pending: dict[str, _Pending] = {}
         self._timers: dict[tuple[str, int], asyncio.TimerHandle] = {}  # broken generations' graces
         self._waits: dict[tuple[str, str], asyncio.TimerHandle] = {}  # incidents waiting for spares
-        self.comm_grace_s = env_float("PHALANX_PLANNER_COMM_GRACE_S", 2.0)
-        self.max_reforms = int(env_float("PHALANX_PLANNER_MAX_REFORMS", 5))
-        self.reform_backoff_max_s = env_float("PHALANX_PLANNER_REFORM_BACKOFF_MAX_S", 30.0)
-        self.republish_s = env_float("PHALANX_PLANNER_REPUBLISH_S", 1.0)
-        self.lease_ttl_s = env_float("PHALANX_PLANNER_LEASE_TTL_S", 1.0)
-        self.spec_max_age_s = env_float("PHALANX_PLANNER_SPEC_MAX_AGE_S", 300.0)
+        settings = get_settings()
+        self.comm_grace_s = settings.planner_comm_grace_s
+        self.max_reforms = settings.planner_max_reforms
+        self.reform_backoff_max_s = settings.planner_reform_backoff_max_s
+        self.republish_s = settings.planner_republish_s
+        self.lease_ttl_s = settings.planner_lease_ttl_s
+        self.spec_max_age_s = settings.planner_spec_max_age_s
         # Handlers of the spec, events and comm-error consumers interleave at every
         # await; one decision at a time keeps each job's state and generation consistent.
         self._lock = asyncio.Lock()
         self.decisions = 0
         self.conflicts = 0
         self.refused = 0
-        self.spare_wait_s = env_float("PHALANX_PLANNER_SPARE_WAIT_S", 30.0)
+        self.spare_wait_s = settings.planner_spare_wait_s
         self._consumers: list[asyncio.Task[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.elected_at: float | None = None  # wall time this replica last became leader
         self.cluster_offered: dict[str, dict[str, int]] = {}  # cluster -> node -> slots offered
         self.sched_seq = 0  # the newest scheduler signal read (stream sequence)
-        self.spawn_timeout_s = env_float("PHALANX_PLANNER_SPAWN_TIMEOUT_S", 120.0)
+        # Metrics: the faults being answered (incident -> cause and times), the recoveries
+        # in flight, and what the input being handled is (a decision's ``reason`` class).
+        self._faults: dict[str, FaultSeen] = {}
+        self.recoveries = RecoveryBook(self.metrics, self.log)
+        self._trigger = ""
+        self.spawn_timeout_s = settings.planner_spawn_timeout_s
 
     # -- lifecycle and leadership -------------------------------------------------------
     async def start(self) -> None:
@@ -214,6 +228,9 @@ class ElasticityPlanner(Service):
             self.elected_at = time.time()
             self.log.info("planner_leader", token=token, instance=self.instance)
             await self._load_all()
+            self.metrics.leader.set(1)
+            for state in self.jobs.values():
+                self._gauges(state)
             with contextlib.suppress(Exception):  # absent: it is created reading from the start
                 await self.bus.js.delete_consumer(SCHED.name, "planner-sched")
             self.cluster_offered.clear()
@@ -278,6 +295,15 @@ class ElasticityPlanner(Service):
                     (Proposal,),
                     max_deliver=-1,
                 ),
+                # Each rank's first step in a new generation: the recoveries' downtime (metrics only).
+                self.bus.consume(
+                    EVENTS,
+                    "planner-recoveries",
+                    [RECOVERED.wildcard()],
+                    self._on_recovered,
+                    (RecoveryDone,),
+                    deliver_new=True,
+                ),
                 # Signals are about the cluster, not one job. They are read from the
                 # stream's start on every election: that rebuilds the cluster's offers, and
                 # each job's record says which signals it already took (sched_seq).
@@ -313,6 +339,10 @@ class ElasticityPlanner(Service):
         self._pending.clear()
         self.jobs.clear()
         self._revisions.clear()
+        self._faults.clear()
+        self.recoveries.forget()
+        self.metrics.forget_jobs()
+        self.metrics.leader.set(0)
 
     async def stop(self) -> None:
         # Consumers first: once the lease is released a standby takes over, and by then
@@ -418,6 +448,7 @@ class ElasticityPlanner(Service):
                 self.jobs.pop(job, None)
             else:
                 self.jobs[job] = state
+                self._gauges(state)
             for publish in out:
                 await publish()
             return
@@ -522,6 +553,7 @@ class ElasticityPlanner(Service):
 
     async def _reform(self, key: tuple[str, int]) -> None:
         async with self._lock:
+            self._trigger = "collective_error"
             if self._timers.pop(key, None) is None:
                 return
             job, generation = key
@@ -557,6 +589,7 @@ class ElasticityPlanner(Service):
             return state
         reporters = sorted(state.broken)
         incident = f"{job}:gen{generation}:collective"
+        self._faults.setdefault(incident, FaultSeen("collective_error", state.broken_at, time.time()))
         # No fault event opened this incident's trace: its detection is the grace itself.
         with (
             _tracer.start_as_current_span(
@@ -581,6 +614,9 @@ class ElasticityPlanner(Service):
             if dead:
                 for worker in dead:
                     cause = f"exited (its launcher saw it) while {reporters} reported failed collectives"
+                    self._faults.setdefault(
+                        f"{incident}:{worker}", FaultSeen("crash", state.broken_at, time.time())
+                    )
                     await self._apply(
                         state,
                         f"{incident}:{worker}",
@@ -611,6 +647,7 @@ class ElasticityPlanner(Service):
     async def _on_command(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, JobSpec)
         async with self._lock:
+            self._trigger = "node_join"
             age = time.time() - msg.ts
             if age > self.spec_max_age_s:  # a replay from before any live launch
                 await self._refuse(raw.subject, msg, f"job spec of launcher {msg.launcher} is {age:.0f}s old")
@@ -731,6 +768,7 @@ class ElasticityPlanner(Service):
 
     async def _on_event(self, msg: Message, raw: Msg) -> None:
         async with self._lock:
+            self._trigger = self._trigger_of(msg)
             if isinstance(msg, PlanAck):
                 await self._on_ack(msg)
             elif isinstance(msg, Registered):
@@ -741,6 +779,27 @@ class ElasticityPlanner(Service):
                 await self._txn(msg.job, lambda state: self._on_node_lost(state, msg))
             elif isinstance(msg, RankExited):
                 await self._txn(msg.job, lambda state: self._on_exited(state, msg))
+
+    def _trigger_of(self, msg: Message) -> str:
+        """The ``reason`` class of decisions an event leads to; a fault is also noted for
+        its recovery's metrics (the first delivery's times are kept)."""
+        if isinstance(msg, RankFailed | RankHung | NodeLost):
+            cause = "node_lost" if isinstance(msg, NodeLost) else cause_class(msg.cause.value)
+            self._faults.setdefault(msg.incident, FaultSeen(cause, msg.fault_at, msg.detected_at))
+            return cause
+        if isinstance(msg, PlanAck):
+            return "ack"
+        return "registration" if isinstance(msg, Registered) else "worker_exit"
+
+    async def _on_recovered(self, msg: Message, raw: Msg) -> None:
+        assert isinstance(msg, RecoveryDone)
+        self.recoveries.reported(msg)
+
+    def _gauges(self, state: JobState) -> None:
+        job = state.spec.job
+        self.metrics.generation.labels(job).set(state.generation)
+        self.metrics.world_size.labels(job).set(state.plan.world_size if state.plan else 0)
+        self.metrics.spares.labels(job).set(len(state.spares))
 
     async def _on_exited(self, state: JobState | None, msg: RankExited) -> JobState | None:
         if state is None or state.phase in _ENDED or state.node_of(msg.worker) is None:
@@ -882,6 +941,7 @@ class ElasticityPlanner(Service):
 
     async def _spare_wait_over(self, key: tuple[str, str], incident: str) -> None:
         async with self._lock:
+            self._trigger = "spare_wait"
             self._waits.pop(key, None)
 
             async def again(state: JobState | None) -> JobState | None:
@@ -910,6 +970,7 @@ class ElasticityPlanner(Service):
             return
         pending.notify.end()
         del self._pending[ack.job]
+        self.recoveries.acked(ack.job, ack.generation, time.time())
         self.log.info("plan_acknowledged", job=ack.job, generation=ack.generation, sends=pending.sends)
 
         async def running(state: JobState | None) -> JobState | None:
@@ -972,6 +1033,7 @@ class ElasticityPlanner(Service):
                 leave_by=d.leave_by or (time.time() + state.spec.elastic.grace_s if d.leaving else 0.0),
                 batch=batch,
             )
+            self._later(functools.partial(self._committed, plan, state.plan.world_size if state.plan else 0))
             if d.action is not Action.REFORM:
                 state.reforms = 0
             state.broken, state.broken_at = {}, 0.0
@@ -996,6 +1058,16 @@ class ElasticityPlanner(Service):
         )
         if state.phase not in _ENDED:
             self._refill(state)
+
+    async def _committed(self, plan: Plan, old_world: int) -> None:
+        """Metrics of a committed generation: a recovery opens, a resize is counted."""
+        fault = self._faults.pop(plan.incident, None) if plan.incident else None
+        if fault is not None and plan.incident is not None:
+            members = [m.worker for m in plan.members]
+            self.recoveries.opened(plan.job, plan.incident, fault, plan.generation, members, time.time())
+        if old_world and plan.world_size != old_world:
+            direction = "grow" if plan.world_size > old_world else "shrink"
+            self.metrics.resizes.labels(plan.job, direction).inc()
 
     @staticmethod
     def _lost_hosts(state: JobState) -> list[str]:
@@ -1038,8 +1110,12 @@ class ElasticityPlanner(Service):
         )
         msg_id = f"{job}:{state.run}:decision:{key}"
 
+        why = self._faults[incident].cause if incident in self._faults else self._trigger or "other"
+        why = "proposal" if proposal is not None else why
+
         async def publish() -> None:
             self.decisions += 1
+            self.metrics.decisions.labels(job, action.value, why).inc()
             self.log.info(
                 "decision",
                 job=job,
@@ -1159,6 +1235,7 @@ class ElasticityPlanner(Service):
 
         async def over() -> None:
             async with self._lock:
+                self._trigger = "cooldown"
                 self._waits.pop(key, None)
 
                 async def grow(st: JobState | None) -> JobState | None:
@@ -1177,6 +1254,7 @@ class ElasticityPlanner(Service):
         assert isinstance(msg, CapacityChanged | PreemptionNotice)
         seq = raw.metadata.sequence.stream if raw.metadata and raw.metadata.sequence else 0
         async with self._lock:
+            self._trigger = "capacity" if isinstance(msg, CapacityChanged) else "preemption"
             self.sched_seq = max(self.sched_seq, seq)
             if isinstance(msg, CapacityChanged):
                 self.cluster_offered[msg.cluster] = dict(msg.offered)
@@ -1225,6 +1303,7 @@ class ElasticityPlanner(Service):
     async def _on_proposal(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, Proposal)
         async with self._lock:
+            self._trigger = "proposal"
             if msg.job not in self.jobs:
                 await self._refuse(raw.subject, msg, f"job {msg.job} is not known to the planner")
                 return
@@ -1273,6 +1352,10 @@ class ElasticityPlanner(Service):
         while True:
             await asyncio.sleep(self.republish_s / 4)
             now = time.monotonic()
+            self.recoveries.expire()
+            for incident, fault in list(self._faults.items()):  # never planned (held, a redelivery)
+                if now - fault.received > self.spare_wait_s + 600.0:
+                    del self._faults[incident]
             for pending in list(self._pending.values()):
                 if now - pending.sent_at < self.republish_s * min(2 ** (pending.sends - 1), 8):
                     continue

@@ -52,7 +52,7 @@ replica decides first; each replica needs durable consumers of its own
 (``PHALANX_DETECTOR_REPLICA``), or they would split the exits, plans and
 registrations between them.
 
-Configuration (environment; a bad value stops start-up with a ValueError):
+Configuration (environment, read through :mod:`phalanx.settings`; a bad value stops start-up):
 
 - ``NATS_URL``: the NATS server.
 - ``PHALANX_HEARTBEAT_MS`` (100): the heartbeat interval assumed for the
@@ -93,11 +93,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
-import os
 import re
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +123,7 @@ from phalanx.bus.subjects import (
     REGISTERED,
     Subject,
 )
+from phalanx.metrics import DetectorMetrics
 from phalanx.schemas import (
     DecodeError,
     FaultCause,
@@ -138,27 +136,12 @@ from phalanx.schemas import (
     decode,
 )
 from phalanx.service import Service
+from phalanx.settings import Settings, get_settings
 from phalanx.telemetry import extract_context
 
 __all__ = ["FailureDetector", "ServiceConfig"]
 
 _tracer = trace.get_tracer("phalanx.failure_detector")
-
-
-def _num(env: Mapping[str, str], name: str, default: float, *, zero_ok: bool = False) -> float:
-    """A positive number from ``env`` (or zero too, with ``zero_ok``); ValueError says which is wrong."""
-    raw = env.get(name, "")
-    if raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a number") from exc
-    if zero_ok and not 0 <= value < math.inf:
-        raise ValueError(f"{name}={raw!r} must be a non-negative number")
-    if not zero_ok and not value > 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value
 
 
 _REPLICA = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -214,36 +197,36 @@ class ServiceConfig:
         return cls(**values)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ServiceConfig:
-        """Read the ``PHALANX_*`` variables above; raises ValueError on a bad value."""
-        e = os.environ if env is None else env
-        hb = _num(e, "PHALANX_HEARTBEAT_MS", 100.0) / 1e3
+    def from_settings(cls, settings: Settings | None = None) -> ServiceConfig:
+        """The ``PHALANX_*`` knobs above (default: this process's :func:`get_settings`)."""
+        s = settings or get_settings()
+        hb = s.heartbeat_ms / 1e3
         base = cls.for_interval(hb)
-        d = DetectorConfig()
         detector = DetectorConfig(
-            phi_threshold=_num(e, "PHALANX_DETECTOR_PHI", d.phi_threshold),
-            window=int(_num(e, "PHALANX_DETECTOR_WINDOW", d.window)),
-            min_std_ratio=_num(e, "PHALANX_DETECTOR_MIN_STD_RATIO", d.min_std_ratio),
-            min_std_s=_num(e, "PHALANX_DETECTOR_MIN_STD_MS", d.min_std_s * 1e3) / 1e3,
-            pause_ratio=_num(e, "PHALANX_DETECTOR_PAUSE_RATIO", d.pause_ratio),
-            digest_slack_ratio=_num(e, "PHALANX_DETECTOR_DIGEST_SLACK", d.digest_slack_ratio),
-            stall_floor_s=_num(e, "PHALANX_STALL_FLOOR_MS", d.stall_floor_s * 1e3) / 1e3,
-            stall_factor=_num(e, "PHALANX_STALL_FACTOR", d.stall_factor),
-            stall_initial_s=_num(e, "PHALANX_STALL_INITIAL_MS", d.stall_initial_s * 1e3) / 1e3,
-            mass_hold_s=_num(e, "PHALANX_DETECTOR_MASS_HOLD_S", d.mass_hold_s, zero_ok=True),
+            phi_threshold=s.detector_phi,
+            window=s.detector_window,
+            min_std_ratio=s.detector_min_std_ratio,
+            min_std_s=s.detector_min_std_ms / 1e3,
+            pause_ratio=s.detector_pause_ratio,
+            digest_slack_ratio=s.detector_digest_slack,
+            stall_floor_s=s.stall_floor_ms / 1e3,
+            stall_factor=s.stall_factor,
+            stall_initial_s=s.stall_initial_ms / 1e3,
+            mass_hold_s=s.detector_mass_hold_s,
         )
-        job = e.get("PHALANX_DETECTOR_JOB") or None
-        if job is not None:
-            HEARTBEAT.wildcard(job=job)  # raises ValueError if not a plain name
+
+        def ms(value: float | None, derived_s: float) -> float:
+            return derived_s if value is None else value / 1e3
+
         return cls(
             detector=detector,
             heartbeat_s=hb,
-            tick_s=_num(e, "PHALANX_DETECTOR_TICK_MS", base.tick_s * 1e3) / 1e3,
-            max_lag_s=_num(e, "PHALANX_DETECTOR_MAX_LAG_MS", base.max_lag_s * 1e3) / 1e3,
-            reconnect_grace_s=_num(e, "PHALANX_DETECTOR_GRACE_MS", base.reconnect_grace_s * 1e3) / 1e3,
-            job=job,
-            exit_max_age_s=_num(e, "PHALANX_DETECTOR_EXIT_MAX_AGE_S", base.exit_max_age_s),
-            replica=e.get("PHALANX_DETECTOR_REPLICA", ""),
+            tick_s=ms(s.detector_tick_ms, base.tick_s),
+            max_lag_s=ms(s.detector_max_lag_ms, base.max_lag_s),
+            reconnect_grace_s=ms(s.detector_grace_ms, base.reconnect_grace_s),
+            job=s.detector_job,
+            exit_max_age_s=s.detector_exit_max_age_s,
+            replica=s.detector_replica,
         )
 
 
@@ -260,6 +243,8 @@ class FailureDetector(Service):
     """
 
     name = "failure-detector"
+    metrics_type = DetectorMetrics
+    metrics: DetectorMetrics
 
     def __init__(
         self,
@@ -270,7 +255,7 @@ class FailureDetector(Service):
         wall: Clock = time.time,
     ) -> None:
         super().__init__(bus)
-        self.config = config or ServiceConfig.from_env()
+        self.config = config or ServiceConfig.from_settings()
         self.detector = Detector(self.config.detector, clock=clock, wall=wall)
         self.clock, self.wall = clock, wall
         self.reported = 0
@@ -287,6 +272,8 @@ class FailureDetector(Service):
         self._ping_epoch = 0
         """``bus.reconnects`` when that PING was sent."""
         self.deaf_holds = 0
+        self._lag_heartbeat = self.metrics.heartbeat_lag.labels("heartbeat")
+        self._lag_digest = self.metrics.heartbeat_lag.labels("digest")
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
@@ -390,6 +377,7 @@ class FailureDetector(Service):
         if parts[2:] != [hb.job, hb.worker]:
             await self._refuse(raw, hb, f"heartbeat of {hb.job}/{hb.worker} on {raw.subject}")
             return
+        self._lag_heartbeat.observe(max(0.0, self.wall() - hb.ts))
         self.detector.observe(hb)
         if self.detector.refused:
             await self._report_refused(raw.subject, Heartbeat.KIND)
@@ -404,7 +392,8 @@ class FailureDetector(Service):
         so a bad digest is refused with the same error event as on any subscription.
         """
         try:
-            fields = read_digest(raw.data, raw.headers)
+            sent_at: list[float] = []
+            fields = read_digest(raw.data, raw.headers, sent_at)
             if fields is None:
                 try:
                     d = decode(raw.data, raw.headers, NodeDigest)
@@ -418,6 +407,7 @@ class FailureDetector(Service):
                 reason = f"digest of {job}/{node} on {raw.subject}"
                 await self.bus.report_bad_input(raw.subject, DecodeError(reason, NodeDigest.KIND))
                 return
+            self._lag_digest.observe(max(0.0, self.wall() - sent_at[0]))
             self.detector.observe_digest_rows(*fields)
             if self.detector.refused:
                 await self._report_refused(raw.subject, NodeDigest.KIND)
@@ -429,6 +419,7 @@ class FailureDetector(Service):
         if parts[2:] != [d.job, d.node]:
             await self._refuse(raw, d, f"digest of {d.job}/{d.node} on {raw.subject}")
             return
+        self._lag_digest.observe(max(0.0, self.wall() - d.ts))
         self.detector.observe_digest(d)
         if self.detector.refused:
             await self._report_refused(raw.subject, NodeDigest.KIND)
@@ -607,6 +598,7 @@ class FailureDetector(Service):
             )
             subject = FAILED if incident.cause is FaultCause.PROCESS_EXIT else HUNG
             who = {"rank": incident.rank, "generation": incident.generation}
+        verdict = "node_lost" if subject is NODE_LOST else "rank_failed" if subject is FAILED else "rank_hung"
         attrs.update({f"phalanx.evidence.{k}": v for k, v in incident.evidence.items()})
         start_ns = int(min(incident.fault_at, self.wall()) * 1e9)
         event = incident.to_event()
@@ -632,6 +624,7 @@ class FailureDetector(Service):
                     delay = min(2 * delay, 2.0)
             span.set_attribute("phalanx.detect_ms", round((event.detected_at - incident.fault_at) * 1e3, 2))
         self.reported += 1
+        self.metrics.detections.labels(incident.job, verdict, incident.cause.value).inc()
         self.log.warning(
             "incident",
             incident=incident.id,

@@ -52,8 +52,13 @@ if len(NodeDigest.model_fields) != _DIGEST_FIELDS or len(DigestEntry.model_field
     raise RuntimeError("NodeDigest or DigestEntry changed: update read_digest")
 
 
-def read_digest(data: bytes, headers: dict[str, str] | None) -> DigestFields | None:
-    """The fields of a complete, well-formed digest; None when :func:`decode` must judge."""
+def read_digest(
+    data: bytes, headers: dict[str, str] | None, sent_at: list[float] | None = None
+) -> DigestFields | None:
+    """The fields of a complete, well-formed digest; None when :func:`decode` must judge.
+
+    ``sent_at``: the digest's ``ts`` (the sender's wall clock) is appended to it when
+    the digest is taken (the detector's heartbeat lag metric)."""
     if (
         not headers
         or headers.get(HDR_KIND) != _KIND
@@ -94,6 +99,8 @@ def read_digest(data: bytes, headers: dict[str, str] | None) -> DigestFields | N
         if row is None:
             return None
         rows.append(row)
+    if sent_at is not None:
+        sent_at.append(ts)
     return job, node, launcher, host, seq, interval_ms, rows
 
 

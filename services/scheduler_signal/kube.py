@@ -53,6 +53,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.watch import Watch
 from phalanx.services.scheduler_signal.sources import Emit, Ledger
 
+from phalanx.settings import get_settings
 from phalanx.telemetry import get_logger
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -531,43 +532,39 @@ class KubeConfig:
     watch_timeout_s: int = 300
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, sa_dir: Path = SA_DIR) -> KubeConfig | None:
+    def from_env(cls, sa_dir: Path = SA_DIR) -> KubeConfig | None:
         """In a pod (service host and token present) or with ``PHALANX_K8S=1``; else None.
 
         In a pod the API server, token and CA are the ones the client's in-cluster
         configuration would use (``KUBERNETES_SERVICE_HOST``/``PORT``, the service
         account's files); ``PHALANX_K8S_API`` overrides the server (e.g. ``kubectl proxy``).
+        The ``PHALANX_K8S_*`` knobs come from :func:`phalanx.settings.get_settings`.
         """
-        env = dict(os.environ if env is None else env)
-        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
+        settings = get_settings()
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
         in_cluster = bool(host) and (sa_dir / "token").exists()
-        if not (in_cluster or _truthy(env.get("PHALANX_K8S", ""))):
+        if not (in_cluster or settings.k8s):
             return None
-        api = env.get("PHALANX_K8S_API") or (f"https://{host}:{port}" if host else "")
+        api = settings.k8s_api or (f"https://{host}:{port}" if host else "")
         if not api:
             raise ValueError("PHALANX_K8S=1 but neither PHALANX_K8S_API nor KUBERNETES_SERVICE_HOST is set")
         ns_file = sa_dir / "namespace"
-        namespace = env.get("PHALANX_K8S_NAMESPACE") or (
-            ns_file.read_text().strip() if ns_file.exists() else "default"
-        )
+        namespace = settings.k8s_namespace or (ns_file.read_text().strip() if ns_file.exists() else "default")
         token = sa_dir / "token"
         ca = sa_dir / "ca.crt"
         return cls(
             api=api.rstrip("/"),
             namespace=namespace,
-            cluster=env.get("PHALANX_CLUSTER_NAME", "k8s"),
+            cluster=settings.cluster_name,
             token_file=token if token.exists() else None,
             ca_file=ca if ca.exists() else None,
-            pod_selector=env.get("PHALANX_K8S_POD_SELECTOR", JOB_LABEL),
-            node_selector=env.get("PHALANX_K8S_NODE_SELECTOR", ""),
-            slot_resource=env.get("PHALANX_K8S_SLOT_RESOURCE", "nvidia.com/gpu"),
-            health_label=env.get("PHALANX_K8S_HEALTH_LABEL", HEALTH_LABEL),
-            all_namespaces=_truthy(env.get("PHALANX_K8S_ALL_NAMESPACES", "")),
+            pod_selector=settings.k8s_pod_selector,
+            node_selector=settings.k8s_node_selector,
+            slot_resource=settings.k8s_slot_resource,
+            health_label=settings.k8s_health_label,
+            all_namespaces=settings.k8s_all_namespaces,
         )
-
-
-def _truthy(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes")
 
 
 class TokenFile:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 
 from nats.js.errors import NotFoundError
 from opentelemetry import trace
@@ -30,8 +29,10 @@ from phalanx.services.scheduler_signal.sources import FileClusterSource, Ledger,
 
 from phalanx.bus import SCHED, Bus
 from phalanx.bus.subjects import CAPACITY, PREEMPT
+from phalanx.metrics import SchedulerMetrics
 from phalanx.schemas import CapacityChanged, DecodeError, HealthReply, decode
-from phalanx.service import Service, env_float
+from phalanx.service import Service
+from phalanx.settings import get_settings
 
 _tracer = trace.get_tracer("phalanx.scheduler_signal")
 MSG_ID = "Nats-Msg-Id"
@@ -73,12 +74,13 @@ def sources_from_env(bus: Bus) -> list[Source]:
     """The sources the environment asks for (possibly none)."""
     history = StreamHistory(bus)
     sources: list[Source] = []
-    if os.environ.get("PHALANX_LOCAL_CLUSTER", "1").strip().lower() not in ("0", "false", "no", "off"):
+    settings = get_settings()
+    if settings.local_cluster:
         sources.append(KvClusterSource(bus, Ledger(history, "local")))
-    path = os.environ.get("PHALANX_CLUSTER_FILE")
-    if path:
-        poll = env_float("PHALANX_CLUSTER_POLL_S", 0.5)
-        sources.append(FileClusterSource(path, Ledger(history, "file"), poll_s=poll))
+    if settings.cluster_file is not None:
+        sources.append(
+            FileClusterSource(settings.cluster_file, Ledger(history, "file"), poll_s=settings.cluster_poll_s)
+        )
     kube = KubeConfig.from_env()
     if kube is not None:
         sources.append(KubeWatchSource(kube, Ledger(history, "k8s")))
@@ -87,6 +89,8 @@ def sources_from_env(bus: Bus) -> list[Source]:
 
 class SchedulerSignal(Service):
     name = "scheduler-signal"
+    metrics_type = SchedulerMetrics
+    metrics: SchedulerMetrics
 
     def __init__(self, bus: Bus, sources: list[Source] | None = None) -> None:
         super().__init__(bus)
@@ -126,6 +130,7 @@ class SchedulerSignal(Service):
         ):
             await self.bus.publish(sig.subject, msg, msg_id=sig.msg_id, cluster=msg.cluster)
         self.published[msg.KIND] += 1
+        self.metrics.signals.labels(msg.cluster, msg.KIND, msg.source).inc()
         if isinstance(msg, CapacityChanged):
             self.log.info(
                 "capacity_changed",

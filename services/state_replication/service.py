@@ -31,9 +31,7 @@ refused at start):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
@@ -43,46 +41,30 @@ from phalanx.bus.subjects import PLAN, RECOVERED
 from phalanx.checkpoint.keeper import Keeper, KeeperConfig
 from phalanx.checkpoint.slots import node_name, shm_root
 from phalanx.checkpoint.tiers import RetentionPolicy, Tier
+from phalanx.metrics import ReplicationMetrics
 from phalanx.schemas import Message, Plan, RecoveryDone
 from phalanx.service import Service
+from phalanx.settings import get_settings
 
 
 def keeper_config(node: str) -> KeeperConfig:
-    """The keeper's configuration from the environment; ValueError naming a bad variable."""
-
-    def path(name: str) -> Path | None:
-        raw = os.environ.get(name, "").strip()
-        return Path(raw) if raw else None
-
-    def whole(name: str, default: int, low: int) -> int:
-        raw = os.environ.get(name, "").strip()
-        try:
-            value = int(raw) if raw else default
-        except ValueError:
-            value = low - 1
-        if value < low:
-            raise ValueError(f"{name} must be a whole number >= {low}, got {raw!r}")
-        return value
-
+    """The keeper's configuration from the settings (``PHALANX_CKPT_*``, ``PHALANX_KEEPER_*``)."""
+    settings = get_settings()
     cfg = KeeperConfig(
         node=node,
         shm_root=shm_root(),
-        disk_root=path("PHALANX_CKPT_DISK"),
-        shared_root=path("PHALANX_CKPT_SHARED"),
-        object_url=os.environ.get("PHALANX_CKPT_OBJECT", "").strip() or None,
-        host=os.environ.get("PHALANX_KEEPER_HOST", "").strip() or "127.0.0.1",
-        port=whole("PHALANX_KEEPER_PORT", 0, 0),
-        replicas=whole("PHALANX_CKPT_REPLICAS", 1, 0),
-        fsync=whole("PHALANX_CKPT_FSYNC", 1, 0) > 0,
+        disk_root=settings.ckpt_disk,
+        shared_root=settings.ckpt_shared,
+        object_url=settings.ckpt_object,
+        host=settings.keeper_host,
+        port=settings.keeper_port,
+        replicas=settings.ckpt_replicas,
+        fsync=settings.ckpt_fsync,
     )
     for tier in Tier:
-        name = f"PHALANX_CKPT_KEEP_{tier.name}"
-        raw = os.environ.get(name, "").strip()
-        if raw:
-            try:
-                cfg.retention[tier] = RetentionPolicy.parse(raw)
-            except ValueError as exc:
-                raise ValueError(f"{name}: {exc}") from None
+        retention = getattr(settings, f"ckpt_keep_{tier.name.lower()}")
+        if retention is not None:
+            cfg.retention[tier] = RetentionPolicy.parse(retention)  # validated by the settings
     return cfg
 
 
@@ -97,11 +79,14 @@ class JobView:
 
 class StateReplication(Service):
     name = "state-replication"
+    metrics_type = ReplicationMetrics
+    metrics: ReplicationMetrics
 
     def __init__(self, bus: Bus, node: str | None = None, keeper: KeeperConfig | None = None) -> None:
         super().__init__(bus)
         self.node = node or node_name()
         self.keeper = Keeper(bus, keeper or keeper_config(self.node))
+        self.keeper.on_copy = self.metrics.copy_changed
         self.jobs: dict[str, JobView] = {}
         self.plans = 0
         self.recoveries = 0

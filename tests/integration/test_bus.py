@@ -22,8 +22,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from phalanx.bus import ERRORS, EVENTS, Bus, ensure_topology
-from phalanx.bus.topology import kv_latest
 from phalanx.bus.subjects import ERROR, FAILED, HEARTBEAT, HUNG
+from phalanx.bus.topology import kv_latest
 from phalanx.natsserver import NatsCluster, NatsServer
 from phalanx.schemas import ErrorEvent, FaultCause, Heartbeat, Message, Phase, RankFailed, RankHung, encode
 from phalanx.schemas.codec import HDR_ENCODING, HDR_KIND, HDR_SCHEMA

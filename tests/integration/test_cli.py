@@ -66,6 +66,22 @@ def _phalanx_run(url: str, *args: str, timeout: float = 60) -> subprocess.Comple
     )
 
 
+def test_phalanx_run_against_no_server_fails_within_seconds_saying_what_to_start() -> None:
+    """NATS_URL where nothing listens: a clear message and exit 2, well inside 10 s
+    (the subprocess timeout is the bound; nats.py alone would retry forever)."""
+    port = free_port()  # nothing listens on it
+    done = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "run", "--nproc", "1", "--", sys.executable, "-c", "pass"],
+        env={**os.environ, "NATS_URL": f"nats://127.0.0.1:{port}"},
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"no NATS server at 127.0.0.1:{port}" in done.stderr and "phalanx up" in done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr  # one line, no traceback, no retry noise
+
+
 async def test_phalanx_run_without_a_planner_fails_with_what_to_start(nats_url: str) -> None:
     done = _phalanx_run(nats_url, "--nproc", "1", "--job", "lonely", "--join-timeout", "2")
     assert done.returncode == 2
@@ -75,15 +91,19 @@ async def test_phalanx_run_without_a_planner_fails_with_what_to_start(nats_url: 
 async def test_a_node_that_disagrees_with_the_job_is_refused_and_changes_nothing(
     nats_url: str, bus: Bus, tmp_path: Path
 ) -> None:
-    log = open(tmp_path / "planner.log", "wb")
-    planner = subprocess.Popen(
-        [sys.executable, "-m", "phalanx.cli", "service", "elasticity-planner"],
-        env={**os.environ, "NATS_URL": nats_url},
-        stdout=log,
-        stderr=subprocess.STDOUT,
+    log = open(tmp_path / "services.log", "wb")
+    planner, detector = (
+        subprocess.Popen(
+            [sys.executable, "-m", "phalanx.cli", "service", name],
+            env={**os.environ, "NATS_URL": nats_url},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        for name in ("elasticity-planner", "failure-detector")
     )
     try:
         await _until_healthy(bus, "elasticity-planner", planner)
+        await _until_healthy(bus, "failure-detector", detector)
         # node a is in the job (waiting for a second node), with a global batch of 32
         answers: asyncio.Queue[NodeJoined] = asyncio.Queue()
 
@@ -115,8 +135,9 @@ async def test_a_node_that_disagrees_with_the_job_is_refused_and_changes_nothing
         assert not refusal.accepted and not refusal.retry  # settings never change: no use asking again
         assert (await kv.get("mn.plan")).revision == before  # the job's record did not move
     finally:
-        planner.terminate()
-        planner.wait(30)
+        for proc in (planner, detector):
+            proc.terminate()
+            proc.wait(30)
         log.close()
 
 

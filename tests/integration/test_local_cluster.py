@@ -184,7 +184,7 @@ async def test_racing_offers_all_count(nats_url: str, bus: Bus) -> None:
         (["offer", "-3", "--node", "node-b"], "offer at least 1 slot"),
         (["offer", "2", "--node", "bad.name"], "bad node name 'bad.name'"),
         (["offer", "2", "--node", "node-b", "--cluster", "a b"], "bad cluster name"),
-        (["offer", "two", "--node", "node-b"], "invalid int value"),
+        (["offer", "two", "--node", "node-b"], "is not a valid integer"),
         (["reclaim", "node-b", "--grace=-5s"], "negative"),
         (["reclaim", "node-b", "--grace", "soon"], "not a duration"),
         (["reclaim", "x" * 65, "--grace", "1s"], "bad node name"),
@@ -208,7 +208,7 @@ async def test_no_nats_server_is_a_clear_error_within_seconds(tmp_path: Path) ->
     url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
     run = await phalanx_cluster(url, "offer", "1", "--node", "node-b")
     assert run.rc == 1
-    assert "cannot reach NATS at" in run.err and "phalanx nats" in run.err and "NATS_URL" in run.err
+    assert "cannot reach NATS at" in run.err and "phalanx up" in run.err and "NATS_URL" in run.err
     assert run.err.count("\n") == 1 and run.out == ""
     assert run.took_s < 8
 

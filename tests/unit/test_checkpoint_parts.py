@@ -101,9 +101,13 @@ def test_the_keeper_reads_its_tiers_from_the_environment(
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [
-        ("PHALANX_CKPT_REPLICAS", "-1", "PHALANX_CKPT_REPLICAS must be a whole number >= 0"),
-        ("PHALANX_KEEPER_PORT", "http", "PHALANX_KEEPER_PORT must be a whole number >= 0"),
-        ("PHALANX_CKPT_KEEP_DISK", "last=0", "PHALANX_CKPT_KEEP_DISK: retention"),
+        (
+            "PHALANX_CKPT_REPLICAS",
+            "-1",
+            "PHALANX_CKPT_REPLICAS='-1': Input should be greater than or equal to 0",
+        ),
+        ("PHALANX_KEEPER_PORT", "http", "PHALANX_KEEPER_PORT='http': Input should be a valid integer"),
+        ("PHALANX_CKPT_KEEP_DISK", "last=0", "PHALANX_CKPT_KEEP_DISK='last=0': .*retention"),
     ],
 )
 def test_a_bad_keeper_setting_is_refused_at_start(

@@ -588,21 +588,27 @@ def test_docstring_examples() -> None:
         assert result.failed == 0 and result.attempted > 0, module.__name__
 
 
-def test_service_config_from_env() -> None:
-    c = ServiceConfig.from_env(
-        {
-            "PHALANX_HEARTBEAT_MS": "500",
-            "PHALANX_STALL_FLOOR_MS": "1500",
-            "PHALANX_DETECTOR_PHI": "10",
-            "PHALANX_DETECTOR_JOB": "j1",
-        }
-    )
+def _config_from(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> ServiceConfig:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return ServiceConfig.from_settings()
+
+
+def test_service_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ServiceConfig.from_settings() == ServiceConfig.for_interval(0.1)  # the same defaults
+    env = {
+        "PHALANX_HEARTBEAT_MS": "500",
+        "PHALANX_STALL_FLOOR_MS": "1500",
+        "PHALANX_DETECTOR_PHI": "10",
+        "PHALANX_DETECTOR_JOB": "j1",
+    }
+    c = _config_from(monkeypatch, env)
     assert (c.heartbeat_s, c.tick_s, c.max_lag_s, c.job) == (0.5, 0.05, 0.25, "j1")
     assert c.detector.stall_floor_s == 1.5 and c.detector.phi_threshold == 10.0
     with pytest.raises(ValueError, match="PHALANX_HEARTBEAT_MS"):
-        ServiceConfig.from_env({"PHALANX_HEARTBEAT_MS": "fast"})
-    with pytest.raises(ValueError):
-        ServiceConfig.from_env({"PHALANX_DETECTOR_JOB": "a.b"})
+        _config_from(monkeypatch, {"PHALANX_HEARTBEAT_MS": "fast"})
+    with pytest.raises(ValueError, match="PHALANX_DETECTOR_JOB"):
+        _config_from(monkeypatch, {"PHALANX_HEARTBEAT_MS": "500", "PHALANX_DETECTOR_JOB": "a.b"})
 
 
 # -- node digests ----------------------------------------------------------------------
@@ -1199,18 +1205,19 @@ def test_half_the_nodes_of_a_job_silent_at_once_are_held() -> None:
     assert len(det) == 24 and sorted(n for _, n, _ in det.nodes()) == ["n0", "n1", "n3"]
 
 
-def test_service_config_replica_and_mass_hold_from_env() -> None:
-    c = ServiceConfig.from_env({"PHALANX_DETECTOR_REPLICA": "b-2", "PHALANX_DETECTOR_MASS_HOLD_S": "0"})
+def test_service_config_replica_and_mass_hold_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = ServiceConfig.from_settings()
+    assert (d.replica, d.durable("exits"), d.detector.mass_hold_s) == ("", "failure-detector-exits", 10.0)
+    c = _config_from(monkeypatch, {"PHALANX_DETECTOR_REPLICA": "b-2", "PHALANX_DETECTOR_MASS_HOLD_S": "0"})
     assert c.replica == "b-2" and c.detector.mass_hold_s == 0.0
     assert [c.durable(x) for x in ("exits", "plans", "registrations")] == [
         "failure-detector-exits-b-2",
         "failure-detector-plans-b-2",
         "failure-detector-registrations-b-2",
     ]
-    d = ServiceConfig.from_env({})
-    assert (d.replica, d.durable("exits"), d.detector.mass_hold_s) == ("", "failure-detector-exits", 10.0)
     for bad in ("a.b", "a b", "*", "x" * 33):
         with pytest.raises(ValueError, match="PHALANX_DETECTOR_REPLICA"):
-            ServiceConfig.from_env({"PHALANX_DETECTOR_REPLICA": bad})
+            _config_from(monkeypatch, {"PHALANX_DETECTOR_REPLICA": bad})
+    monkeypatch.setenv("PHALANX_DETECTOR_REPLICA", "b-2")
     with pytest.raises(ValueError, match="PHALANX_DETECTOR_MASS_HOLD_S"):
-        ServiceConfig.from_env({"PHALANX_DETECTOR_MASS_HOLD_S": "-1"})
+        _config_from(monkeypatch, {"PHALANX_DETECTOR_MASS_HOLD_S": "-1"})

@@ -9,6 +9,7 @@ Waiting is on counters the publisher keeps, never on the clock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -202,3 +203,46 @@ async def test_stop_publishes_a_last_digest_and_removes_the_socket(bus: Bus, soc
         NodeDigestPublisher(
             bus, job="j1", node="a.b", launcher="l", host="h", socket_path=sock_dir / "x", interval_s=1.0
         )
+
+
+async def test_finished_steps_reach_the_events_stream(bus: Bus, node: NodeDigestPublisher) -> None:
+    """Steps a rank completed ride on its heartbeats; the launcher publishes them on
+    JetStream, where a report reads them after the job. A rank cannot report steps
+    as another worker."""
+    from phalanx.bus.topology import EVENTS
+    from phalanx.report import read_stream
+    from phalanx.schemas import StepRecord, StepStats
+
+    node.expect("node-a-w0", os.getpid())
+    hb = rank(bus, node, "node-a-w0")
+    for step, loss in ((1, 2.5), (2, 2.25), (3, None)):
+        hb.status.completed(step, 10.0 * step, loss)
+    forged = StepRecord(worker="node-a-w1", rank=1, generation=1, step=9, step_ms=1.0, at=time.time())
+    hb.status.unsent.append(forged)
+    before = node.received
+    assert await hb.send_now(hb.status.heartbeat(hb.seq, hb.interval_s, hb.status.take_finished()))
+    await wait_until(lambda: node.received > before, "the heartbeat")
+    assert not hb.status.unsent  # taken by the heartbeat that went out
+    await node.publish_steps()
+    stats = [
+        m for m in await read_stream(bus.js, EVENTS.name, "phalanx.evt.j1.steps") if isinstance(m, StepStats)
+    ]
+    records = [r for m in stats for r in m.steps]
+    assert [(r.worker, r.step, r.step_ms, r.loss) for r in records] == [
+        ("node-a-w0", 1, 10.0, 2.5),
+        ("node-a-w0", 2, 20.0, 2.25),
+        ("node-a-w0", 3, 30.0, None),
+    ]
+    assert {(m.node, m.launcher) for m in stats} == {("node-a", "node-a-1")}
+
+
+async def test_steps_of_a_heartbeat_that_did_not_go_out_are_sent_later(bus: Bus, sock_dir: Path) -> None:
+    status = RankStatus(job="j1", worker="w0", rank=0, generation=1)
+    hb = HeartbeatPublisher(bus, status, 0.01, socket_path=str(sock_dir / "nobody.sock"))
+    status.completed(1, 5.0, 1.0)
+    task = asyncio.create_task(hb.run())
+    await wait_until(lambda: hb.failures >= 2, "two failed sends")
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert [r.step for r in status.unsent] == [1]

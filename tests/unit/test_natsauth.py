@@ -47,6 +47,7 @@ from phalanx.bus.subjects import (
     RECOVERED,
     REGISTERED,
     SPAWN,
+    STEPS,
     Subject,
 )
 from phalanx.natsauth import (
@@ -69,7 +70,7 @@ from phalanx.proto import PARTIES
 EXPECTED: dict[str, set[Subject]] = {
     "planner": {PLAN, DECISION, JOINED, SPAWN},
     "detector": {FAILED, HUNG, NODE_LOST},
-    "launcher": {JOB_SPEC, EXITED, NODE_DIGEST, ERROR},  # ERROR: as launcher-<job>-<node>
+    "launcher": {JOB_SPEC, EXITED, NODE_DIGEST, STEPS, ERROR},  # ERROR: as launcher-<job>-<node>
     "rank": {HEARTBEAT, REGISTERED, ACK, COMM_ERROR, RECOVERED, ERROR},  # ERROR: as rank-<worker>
     "scheduler": {CAPACITY, PREEMPT},
     "policy": {PROPOSAL},
@@ -236,7 +237,7 @@ def test_generated_files(tmp_path: Path) -> None:
 
 # -- per job, per worker -------------------------------------------------------------------
 JOB_SENDS: dict[str, set[Subject]] = {
-    "launcher": {JOB_SPEC, EXITED, NODE_DIGEST, ERROR},
+    "launcher": {JOB_SPEC, EXITED, NODE_DIGEST, STEPS, ERROR},
     "rank": {HEARTBEAT, REGISTERED, ACK, COMM_ERROR, RECOVERED, ERROR},
 }
 

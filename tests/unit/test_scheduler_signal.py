@@ -394,18 +394,26 @@ async def test_file_source_retries_a_revision_the_bus_did_not_take(tmp_path: Pat
 
 
 # -- configuration --------------------------------------------------------------------------------
-def test_kube_config_from_env(tmp_path: Path) -> None:
+def test_kube_config_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def from_env(env: dict[str, str], sa_dir: Path) -> KubeConfig | None:
+        with monkeypatch.context() as m:
+            for k in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+                m.delenv(k, raising=False)
+            for k, v in env.items():
+                m.setenv(k, v)
+            return KubeConfig.from_env(sa_dir=sa_dir)
+
     sa = tmp_path / "sa"
-    assert KubeConfig.from_env({}, sa_dir=sa) is None
-    assert KubeConfig.from_env({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, sa_dir=sa) is None  # no token
+    assert from_env({}, sa_dir=sa) is None
+    assert from_env({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, sa_dir=sa) is None  # no token
     with pytest.raises(ValueError, match="PHALANX_K8S_API"):
-        KubeConfig.from_env({"PHALANX_K8S": "1"}, sa_dir=sa)
-    cfg = KubeConfig.from_env({"PHALANX_K8S": "1", "PHALANX_K8S_API": "http://127.0.0.1:8001/"}, sa_dir=sa)
+        from_env({"PHALANX_K8S": "1"}, sa_dir=sa)
+    cfg = from_env({"PHALANX_K8S": "1", "PHALANX_K8S_API": "http://127.0.0.1:8001/"}, sa_dir=sa)
     assert cfg is not None and cfg.api == "http://127.0.0.1:8001" and cfg.token_file is None
     sa.mkdir()
     (sa / "token").write_text("tok\n")
     (sa / "namespace").write_text("phalanx\n")
-    cfg = KubeConfig.from_env(
+    cfg = from_env(
         {
             "KUBERNETES_SERVICE_HOST": "10.0.0.1",
             "KUBERNETES_SERVICE_PORT": "6443",
@@ -421,7 +429,7 @@ def test_kube_config_from_env(tmp_path: Path) -> None:
         sa / "token",
     )
     assert (cfg.health_label, cfg.all_namespaces) == ("phalanx.io/unhealthy", False)
-    cfg = KubeConfig.from_env(
+    cfg = from_env(
         {
             "PHALANX_K8S": "1",
             "PHALANX_K8S_API": "http://127.0.0.1:8001",

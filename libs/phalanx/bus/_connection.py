@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
 import ssl
 from collections.abc import Awaitable, Callable, Coroutine
@@ -37,6 +36,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from phalanx.bus.subjects import ERROR, Subject, Transport, job_mismatch
 from phalanx.bus.topology import StreamSpec, ensure_topology
 from phalanx.schemas import DecodeError, ErrorEvent, Message, decode, encode
+from phalanx.settings import get_settings
 from phalanx.telemetry import extract_context, get_logger, inject_headers
 
 M = TypeVar("M", bound=Message)
@@ -47,7 +47,7 @@ _tracer = trace.get_tracer("phalanx.bus")
 
 def nats_url() -> str:
     """The server URL from ``NATS_URL`` (or ``PHALANX_NATS_URL``)."""
-    return os.environ.get("NATS_URL") or os.environ.get("PHALANX_NATS_URL") or "nats://127.0.0.1:4222"
+    return get_settings().nats_url
 
 
 # NATS server authorization (roles and permissions: phalanx.natsauth).
@@ -86,17 +86,16 @@ def nats_auth_options(url: str) -> dict[str, Any]:
     host the server's certificate must be for (default: the URL's host). The
     server's certificate is always verified.
     """
-    user = os.environ.get(ENV_NATS_USER)
+    settings = get_settings()
+    user = settings.nats_user
     opts: dict[str, Any] = {}
     if user:
-        opts.update(user=user, password=os.environ.get(ENV_NATS_PASSWORD, ""))
+        opts.update(user=user, password=settings.nats_password.get_secret_value())
     else:
         user = urlsplit(url.split(",")[0].strip()).username
     if user:
         opts["inbox_prefix"] = inbox_prefix(user)
-    ca, cert, key = (
-        os.environ.get(k) or None for k in (ENV_NATS_TLS_CA, ENV_NATS_TLS_CERT, ENV_NATS_TLS_KEY)
-    )
+    ca, cert, key = settings.nats_tls_ca, settings.nats_tls_cert, settings.nats_tls_key
     tls_url = any(u.strip().lower().startswith("tls://") for u in url.split(","))
     if tls_url or ca or cert or key:
         if key and not cert:
@@ -105,8 +104,8 @@ def nats_auth_options(url: str) -> dict[str, Any]:
         if cert:
             context.load_cert_chain(cert, key)
         opts["tls"] = context
-        if os.environ.get(ENV_NATS_TLS_HOSTNAME):
-            opts["tls_hostname"] = os.environ[ENV_NATS_TLS_HOSTNAME]
+        if settings.nats_tls_hostname:
+            opts["tls_hostname"] = settings.nats_tls_hostname
     return opts
 
 
@@ -231,7 +230,9 @@ class Bus:
                 bus.log.warning("nats_error", error=repr(exc))
 
         async def on_disconnect() -> None:
-            if "bus" in holder:
+            # nats.py reports its own drain/close as a disconnect too: only a lost
+            # connection is worth a warning.
+            if "bus" in holder and not holder["bus"]._closing:
                 holder["bus"].log.warning("nats_disconnected")
 
         async def on_reconnect() -> None:
@@ -318,15 +319,20 @@ class Bus:
 
         JetStream subjects wait for the server's acknowledgement, retrying with the
         same ``Nats-Msg-Id`` for up to ``retry_for_s`` (a restart in between is then
-        neither a loss nor a duplicate). ``traced=False`` is for high-rate core
-        messages such as heartbeats.
+        neither a loss nor a duplicate). ``traced=False`` is for periodic messages
+        that belong to no incident (heartbeats, digests, step stats): no span, no context.
         """
         if not isinstance(msg, subject.message):
             raise TypeError(f"{subject.pattern} carries {subject.message.KIND}, not {msg.KIND}")
         subj = subject.format(**tokens)
         payload, headers = encode(msg)
-        if not traced:  # high-rate, ephemeral (heartbeats): no span, no context
-            await self.nc.publish(subj, payload, headers=headers)
+        if not traced:
+            if subject.transport is Transport.JETSTREAM:
+                if msg_id:
+                    headers["Nats-Msg-Id"] = msg_id
+                await self._js_publish(subj, payload, headers, retry_for_s)
+            else:
+                await self.nc.publish(subj, payload, headers=headers)
             return
         with _tracer.start_as_current_span(
             f"publish {subject.pattern}",

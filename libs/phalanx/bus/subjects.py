@@ -39,6 +39,7 @@ from phalanx.schemas import (
     RecoveryDone,
     Registered,
     SpawnWorkers,
+    StepStats,
 )
 
 _TOKEN = re.compile(r"\{([a-z_]+)\}")
@@ -140,6 +141,12 @@ RECOVERED = Subject(
     Transport.JETSTREAM,
     "A rank completed its first step in a new generation.",
 )
+STEPS = Subject(
+    "phalanx.evt.{job}.steps",
+    StepStats,
+    Transport.JETSTREAM,
+    "A node's launcher, about once a second: the steps its ranks completed (step time, loss).",
+)
 CHECKPOINT = Subject(
     "phalanx.evt.{job}.checkpoint",
     CheckpointEvent,
@@ -203,6 +210,7 @@ CATALOGUE: tuple[Subject, ...] = (
     JOINED,
     ACK,
     RECOVERED,
+    STEPS,
     CHECKPOINT,
     JOB_SPEC,
     PLAN,

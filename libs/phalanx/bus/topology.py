@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from dataclasses import dataclass
 
 import nats.errors
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 from nats.js.kv import KeyValue
+
+from phalanx.settings import get_settings
 
 DUPLICATE_WINDOW_S = 120.0
 
@@ -49,7 +51,7 @@ BUCKET_HISTORY = 16
 
 def stream_replicas() -> int:
     """Replicas of each stream and bucket: ``PHALANX_STREAM_REPLICAS`` (1); 3 on a 3-node cluster."""
-    return int(os.environ.get("PHALANX_STREAM_REPLICAS") or 1)
+    return get_settings().stream_replicas
 
 
 async def ensure_bucket(js: JetStreamContext, bucket: str, replicas: int | None = None) -> KeyValue:
@@ -136,6 +138,45 @@ async def kv_latest(
                 out.pop(key, None)
             else:
                 out[key] = msg.data
+            if msg.metadata.num_pending == 0:
+                return out
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(sub.unsubscribe())
+
+
+async def stream_history(
+    js: JetStreamContext, subject: str, timeout_s: float = 5.0, *, stream: str | None = None
+) -> list[Msg]:
+    """Every message a stream holds on ``subject`` (wildcards allowed), oldest first,
+    up to the last one there when called: a job's decisions, recoveries, steps::
+
+        decisions = await stream_history(bus.js, DECISION.format(job="j1"))
+
+    Read the way :func:`kv_latest` reads (until the message sent with nothing pending
+    after it; "nothing there" only when the consumer shows nothing pending and nothing
+    delivered); ``TimeoutError`` when messages stop coming before the last one.
+    """
+    sub = await js.subscribe(
+        subject,
+        stream=stream,
+        ordered_consumer=True,
+        deliver_policy=DeliverPolicy.ALL,
+        inactive_threshold=60.0,
+    )
+    try:
+        info = await sub.consumer_info()
+        if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
+            return []
+        out: list[Msg] = []
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=timeout_s)
+            except nats.errors.TimeoutError:
+                raise TimeoutError(
+                    f"{subject}: read {len(out)} messages, then nothing for {timeout_s}s"
+                ) from None
+            out.append(msg)
             if msg.metadata.num_pending == 0:
                 return out
     finally:

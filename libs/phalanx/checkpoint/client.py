@@ -35,6 +35,7 @@ from phalanx.checkpoint import wire
 from phalanx.checkpoint.manifest import Manifest
 from phalanx.checkpoint.slots import SlotsBusy, SnapshotSlots, Written, node_name, shm_root
 from phalanx.runtime.state import Packing, unpack
+from phalanx.settings import get_settings
 from phalanx.telemetry import get_logger
 
 
@@ -82,8 +83,9 @@ class Checkpointer:
         timeout_s: float = 600.0,
     ) -> None:
         self.job = job
-        self.node = node or os.environ.get("PHALANX_KEEPER_NODE") or node_name()
-        self.worker = worker or os.environ.get("PHALANX_WORKER") or f"pid{os.getpid()}"
+        settings = get_settings()
+        self.node = node or settings.keeper_node or node_name()
+        self.worker = worker or settings.worker or f"pid{os.getpid()}"
         self.root = root or shm_root()
         self.slot_count = slots
         self.timeout_s = timeout_s

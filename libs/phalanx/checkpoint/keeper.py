@@ -149,6 +149,8 @@ class Keeper:
         self._scanner: asyncio.Task[None] | None = None
         self._seen: set[tuple[str, int]] = set()  # (slot path hash, seq) taken
         self.counters = {"taken": 0, "replicated": 0, "received": 0, "drained": 0, "served": 0, "repaired": 0}
+        self.on_copy: Callable[[str, str, str, int, int], None] | None = None
+        """Called with (job, tier, state, step, bytes) for every copy that changes state (metrics)."""
 
     # -- life ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -240,6 +242,8 @@ class Keeper:
             await self.bus.publish(CHECKPOINT, event, job=m.job, retry_for_s=5.0)
         except Exception as exc:  # the bus being away must not stop a drain
             self.log.warning("catalog_unreachable", job=m.job, step=m.step, tier=tier.value, error=repr(exc))
+        if self.on_copy is not None:
+            self.on_copy(m.job, tier.value, state, m.step, m.total_bytes)
         self.log.info(
             "checkpoint",
             job=m.job,

@@ -40,6 +40,8 @@ from enum import IntEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from phalanx.settings import get_settings
+
 if TYPE_CHECKING:  # the keeper runs without torch; a rank has it
     import torch
 
@@ -62,19 +64,15 @@ def _page_up(n: int) -> int:
     return (n + _PAGE - 1) // _PAGE * _PAGE
 
 
-SHM_ROOT_ENV = "PHALANX_SHM_ROOT"
-DEFAULT_SHM_ROOT = "/dev/shm/phalanx"
-
-
 def node_name() -> str:
     """This node's name, as the keeper and the launcher use it (letters, digits, '_' and '-')."""
-    raw = os.environ.get("PHALANX_NODE") or socket.gethostname()
+    raw = get_settings().node or socket.gethostname()
     return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[:48] or "node"
 
 
 def shm_root() -> Path:
     """Where ranks and keepers share memory: ``PHALANX_SHM_ROOT``, else /dev/shm/phalanx."""
-    return Path(os.environ.get(SHM_ROOT_ENV) or DEFAULT_SHM_ROOT)
+    return get_settings().shm_root
 
 
 def slot_dir(shm_root: Path, node: str, job: str) -> Path:

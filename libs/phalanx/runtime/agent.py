@@ -40,6 +40,7 @@ from phalanx.schemas import (
     Registered,
     Role,
 )
+from phalanx.settings import get_settings
 from phalanx.telemetry import extract_context, get_logger
 
 
@@ -122,7 +123,7 @@ class Agent:
         if not self._thread.is_alive():
             return
         if drain_s is None:
-            drain_s = float(os.environ.get("PHALANX_AGENT_DRAIN_S", "15") or 15)
+            drain_s = get_settings().agent_drain_s
         pending = [f for f in list(self._in_flight) if not f.done()]
         if pending:
             _, left = concurrent.futures.wait(pending, timeout=max(0.0, drain_s))
@@ -194,7 +195,7 @@ class Agent:
 
     def _cut_lost_hosts(self, plan: Plan) -> None:
         """Release a collective blocked on a node that was cut off (see :mod:`.sever`)."""
-        hosts = set(plan.lost_hosts) - self._severed - {os.environ.get("PHALANX_BIND", "")}
+        hosts = set(plan.lost_hosts) - self._severed - {get_settings().bind or ""}
         if hosts:
             self._severed |= hosts
             cut = sever(hosts)

@@ -42,6 +42,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from phalanx.settings import get_settings
+
 TokenDtype = Literal["uint8", "uint16"]
 
 _DTYPES: dict[str, type[np.unsignedinteger[Any]]] = {"uint8": np.uint8, "uint16": np.uint16}
@@ -61,9 +63,9 @@ class DataError(ValueError):
 def default_cache_dir() -> Path:
     """Where the node-local caches live: ``PHALANX_DATA_CACHE_DIR``, else
     ``/dev/shm/phalanx-data-<uid>``, else ``<tempdir>/phalanx-data-<uid>``."""
-    env = os.environ.get("PHALANX_DATA_CACHE_DIR")
-    if env:
-        return Path(env)
+    configured = get_settings().data_cache_dir
+    if configured is not None:
+        return configured
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
     return base / f"phalanx-data-{os.getuid()}"

@@ -18,6 +18,12 @@ Each digest carries, per expected worker that has heartbeated, its latest
 heartbeat and ``age_ms``, how long ago the launcher received it (monotonic), so
 the detector can date it. A worker whose last heartbeat said ``DONE`` is carried
 once more, then dropped.
+
+Heartbeats also carry the steps a rank completed since its last one (step time,
+loss). The launcher gathers them and publishes them on JetStream about once a
+second (:class:`~phalanx.schemas.StepStats` on ``phalanx.evt.<job>.steps``), off
+the digest's schedule, so a slow acknowledgement never delays a digest; that
+record of the run is what ``phalanx report`` draws after the job.
 """
 
 from __future__ import annotations
@@ -29,12 +35,23 @@ import socket
 import stat
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.bus import Bus
-from phalanx.bus.subjects import NODE_DIGEST
-from phalanx.schemas import DecodeError, DigestEntry, Heartbeat, NodeDigest, Phase, decode, headers_for
+from phalanx.bus.subjects import NODE_DIGEST, STEPS
+from phalanx.schemas import (
+    DecodeError,
+    DigestEntry,
+    Heartbeat,
+    NodeDigest,
+    Phase,
+    StepRecord,
+    StepStats,
+    decode,
+    headers_for,
+)
 
 __all__ = ["NodeDigestPublisher"]
 
@@ -42,6 +59,9 @@ _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _ANC_SIZE = socket.CMSG_SPACE(_CREDS.size)
 _MAX_DATAGRAM = 65536
 _HB_HEADERS = headers_for(Heartbeat)
+STEPS_INTERVAL_S = 1.0
+_STEPS_PER_MSG = 4096  # StepStats.steps' bound
+_STEPS_KEPT = 16 * _STEPS_PER_MSG  # kept while NATS is away; the oldest go first
 
 
 @dataclass
@@ -67,6 +87,7 @@ class NodeDigestPublisher:
         host: str,
         socket_path: Path,
         interval_s: float,
+        steps_interval_s: float = STEPS_INTERVAL_S,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
@@ -86,6 +107,13 @@ class NodeDigestPublisher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._refused_logged_at = -1.0
         self._refused_unlogged = 0
+        self.on_heartbeat: Callable[[Heartbeat], None] | None = None
+        """Called with every heartbeat accepted (the launcher's metrics)."""
+        self.steps_interval_s = steps_interval_s
+        self.steps_seq = 0
+        self._steps: list[StepRecord] = []
+        self._pending: StepStats | None = None  # sent, not yet acknowledged
+        self._steps_task: asyncio.Task[None] | None = None
 
     # -- the launcher's side -----------------------------------------------------------
     def expect(self, worker: str, pid: int) -> None:
@@ -95,7 +123,9 @@ class NodeDigestPublisher:
         self._expected[worker] = pid
 
     def forget(self, worker: str) -> None:
-        """``worker``'s process has exited: refuse and stop reporting it."""
+        """``worker``'s process has exited: refuse and stop reporting it (what it sent
+        before it ended, its last steps, is taken first)."""
+        self._drain()
         self._expected.pop(worker, None)
         self._latest.pop(worker, None)
 
@@ -117,6 +147,7 @@ class NodeDigestPublisher:
         self._sock = sock
         loop.add_reader(sock.fileno(), self._drain)
         self._task = asyncio.create_task(self._run(), name=f"node-digest-{self.node}")
+        self._steps_task = asyncio.create_task(self._run_steps(), name=f"node-steps-{self.node}")
         self.bus.log.info("node_digest_started", node=self.node, socket=str(self.socket_path))
 
     async def stop(self) -> None:
@@ -128,6 +159,16 @@ class NodeDigestPublisher:
             self._task = None
             with contextlib.suppress(Exception):
                 await self.publish_now()
+        if self._steps_task is not None:
+            self._steps_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._steps_task
+            self._steps_task = None
+            self._drain()
+            try:
+                await self.publish_steps(retry_for_s=2.0)
+            except Exception as exc:
+                self.bus.log.warning("step_stats_lost", steps=len(self._steps), error=repr(exc))
         if self._sock is not None:
             if self._loop is not None:
                 self._loop.remove_reader(self._sock.fileno())
@@ -163,6 +204,11 @@ class NodeDigestPublisher:
         else:
             self.received += 1
             self._latest[hb.worker] = _Latest(hb, time.monotonic())
+            if self.on_heartbeat is not None:
+                self.on_heartbeat(hb)
+            self._steps.extend(r for r in hb.finished if r.worker == hb.worker)
+            if len(self._steps) > _STEPS_KEPT:
+                del self._steps[: len(self._steps) - _STEPS_KEPT]
 
     def _refuse(self, sender: int | None, why: str) -> None:
         self.refused += 1
@@ -231,6 +277,40 @@ class NodeDigestPublisher:
                 next_at = loop.time()
                 delay = 0
             await asyncio.sleep(delay)
+
+    async def publish_steps(self, retry_for_s: float = 30.0) -> int:
+        """Publish the steps gathered since the last call (JetStream, acknowledged);
+        returns how many. A message that was not acknowledged is sent again as it
+        was, under the same ``Nats-Msg-Id``, so a retry is never a duplicate."""
+        sent = 0
+        while self._pending is not None or self._steps:
+            if self._pending is None:
+                batch = self._steps[:_STEPS_PER_MSG]
+                del self._steps[: len(batch)]
+                self._pending = StepStats(
+                    job=self.job, node=self.node, launcher=self.launcher, seq=self.steps_seq, steps=batch
+                )
+                self.steps_seq += 1
+            msg = self._pending
+            await self.bus.publish(
+                STEPS,
+                msg,
+                traced=False,
+                msg_id=f"{self.launcher}:steps:{msg.seq}",
+                retry_for_s=retry_for_s,
+                job=self.job,
+            )
+            self._pending = None
+            sent += len(msg.steps)
+        return sent
+
+    async def _run_steps(self) -> None:
+        while True:
+            await asyncio.sleep(self.steps_interval_s)
+            try:
+                await self.publish_steps(retry_for_s=self.steps_interval_s)
+            except Exception as exc:  # disconnected: keep them, try again next time
+                self.bus.log.debug("step_stats_failed", steps=len(self._steps), error=repr(exc))
 
 
 def _sender_pid(ancdata: list[tuple[int, int, bytes]]) -> int | None:

@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from phalanx.settings import get_settings
+
 _ENTRY = re.compile(r"^(kill|stop|stall|exit|break|wedge):([A-Za-z0-9_-]+)@(step|recovery)=(\d+)$")
 _STEP_ONLY = ("wedge",)
 
@@ -65,7 +67,7 @@ class FaultPlan:
 
     @classmethod
     def from_env(cls) -> FaultPlan:
-        return cls.parse(os.environ.get("PHALANX_FAULTS", ""))
+        return cls.parse(get_settings().faults)
 
     def fire(
         self, worker: str, point: str, value: int, *, enter_collective: Callable[[], object] | None = None
@@ -88,7 +90,7 @@ class FaultPlan:
 
 
 def _log(f: Fault) -> None:
-    path = os.environ.get("PHALANX_FAULT_LOG")
+    path = get_settings().fault_log
     if path:
         line = json.dumps(
             {"worker": f.worker, "action": f.action, "point": f.point, "value": f.value, "ts": time.time()}

@@ -17,25 +17,20 @@ launcher, tests, small deployments) each heartbeat is published on core NATS,
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 
 from phalanx.bus import Bus
 from phalanx.bus.subjects import HEARTBEAT
 from phalanx.runtime.status import RankStatus
 from phalanx.schemas import Heartbeat, Phase, encode
+from phalanx.settings import get_settings
 
-DEFAULT_INTERVAL_S = 0.1
 SOCKET_ENV = "PHALANX_HEARTBEAT_SOCKET"
 
 
 def heartbeat_interval_s() -> float:
-    """``PHALANX_HEARTBEAT_MS`` (default 100 ms)."""
-    raw = os.environ.get("PHALANX_HEARTBEAT_MS")
-    value = float(raw) / 1000.0 if raw else DEFAULT_INTERVAL_S
-    if value <= 0:
-        raise ValueError(f"PHALANX_HEARTBEAT_MS must be positive, got {raw!r}")
-    return value
+    """``PHALANX_HEARTBEAT_MS`` (default 100 ms), in seconds."""
+    return get_settings().heartbeat_ms / 1e3
 
 
 class HeartbeatPublisher:
@@ -55,7 +50,9 @@ class HeartbeatPublisher:
         self.bus = bus
         self.status = status
         self.interval_s = interval_s or heartbeat_interval_s()
-        self.socket_path = os.environ.get(SOCKET_ENV, "") if socket_path is None else socket_path
+        if socket_path is None:
+            socket_path = str(get_settings().heartbeat_socket or "")
+        self.socket_path = socket_path
         self.seq = 0
         self.failures = 0
         self._sock: socket.socket | None = None
@@ -80,7 +77,7 @@ class HeartbeatPublisher:
     async def goodbye(self) -> None:
         """Enter DONE and say so, so the detector does not take the silence that follows for a hang."""
         self.status.enter(Phase.DONE)
-        await self.send_now(self.status.heartbeat(self.seq, 1.0))
+        await self.send_now(self.status.heartbeat(self.seq, 1.0, self.status.take_finished()))
         self.close()
 
     def close(self) -> None:
@@ -92,8 +89,11 @@ class HeartbeatPublisher:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
-            if await self.send_now(self.status.heartbeat(self.seq, self.interval_s)):
+            finished = self.status.take_finished()
+            if await self.send_now(self.status.heartbeat(self.seq, self.interval_s, finished)):
                 self.seq += 1
+            else:
+                self.status.put_back(finished)
             next_at += self.interval_s
             delay = next_at - loop.time()
             if delay < 0:  # fell behind (e.g. the process was stopped): resync

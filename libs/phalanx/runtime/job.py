@@ -37,6 +37,7 @@ from phalanx.runtime.comm import CommError, connect_store
 from phalanx.runtime.faults import FaultPlan
 from phalanx.runtime.status import RankStatus
 from phalanx.schemas import Plan, Role
+from phalanx.settings import settings_or_exit
 from phalanx.telemetry import get_logger, setup_logging, setup_tracing, shutdown_tracing
 
 if TYPE_CHECKING:
@@ -107,6 +108,10 @@ class Job:
         """``(step, batch)`` until ``total`` steps are done, failed steps redone."""
         return self.loop.steps(loader, total)
 
+    def report_loss(self, loss: float | torch.Tensor) -> None:
+        """The loss of the step in flight of :meth:`steps`, kept with the step's record."""
+        self.loop.report_loss(loss)
+
     def store_at(self, addr: str = "") -> dist.Store:
         """The store at ``addr`` (``""``: this node's launcher's), connected once.
 
@@ -129,20 +134,12 @@ class Job:
         shutdown_tracing()
 
 
-def _need(name: str) -> str:
-    value = os.environ.get(name)
+def _need(value: str | None, name: str) -> str:
     if not value:
         raise LaunchEnvError(
             f"{name} is not set: start this script with `phalanx run ... -- python script.py`"
         )
     return value
-
-
-def _slot() -> int:
-    raw = os.environ.get("PHALANX_LOCAL_SLOT", "0") or "0"
-    if not raw.isdigit():
-        raise LaunchEnvError(f"PHALANX_LOCAL_SLOT must be a non-negative integer, got {raw!r}")
-    return int(raw)
 
 
 def _warm_imports() -> None:
@@ -156,27 +153,25 @@ def _warm_imports() -> None:
 
 
 def init() -> Job:
-    job, worker = _need("PHALANX_JOB"), _need("PHALANX_WORKER")
-    try:
-        role = Role(_need("PHALANX_ROLE"))
-    except ValueError as exc:
-        raise LaunchEnvError(f"PHALANX_ROLE must be one of {[r.value for r in Role]}") from exc
+    settings = settings_or_exit("phalanx worker")  # a bad PHALANX_* value: exit 2, one line
+    job, worker = _need(settings.job, "PHALANX_JOB"), _need(settings.worker, "PHALANX_WORKER")
+    role = Role(_need(settings.role, "PHALANX_ROLE"))
     faults = FaultPlan.from_env()
     _warm_imports()
     setup_logging(f"rank-{worker}")
     setup_tracing("phalanx-rank")
     status = RankStatus(job=job, worker=worker)
-    agent = Agent(status, role, launch=os.environ.get("PHALANX_LAUNCH", "")).start()
+    agent = Agent(status, role, launch=settings.launch).start()
     result = Job(
         job,
         worker,
         role,
         status,
         agent,
-        _need("PHALANX_STORE_ADDR"),
+        _need(settings.store_addr, "PHALANX_STORE_ADDR"),
         faults,
-        bind=os.environ.get("PHALANX_BIND") or None,
-        local_slot=_slot(),
+        bind=settings.bind,
+        local_slot=settings.local_slot,
     )
     result.store_at()  # this node's store answers: the launcher is up
     # Spans flushed and NATS left also without job.close(), but no goodbye: a process

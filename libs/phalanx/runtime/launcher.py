@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 from phalanx.bus import Bus, nats_url
 from phalanx.bus.subjects import DECISION, EXITED, JOB_SPEC, JOINED, SPAWN
+from phalanx.metrics import LauncherMetrics, MetricsServer, serve_metrics
 from phalanx.natsauth import ENV_WORKER_CREDENTIALS, worker_credentials
 from phalanx.runtime.addr import listen_socket, local_address_towards
 from phalanx.runtime.digest import NodeDigestPublisher
@@ -70,6 +71,7 @@ from phalanx.schemas import (
     SpawnWorkers,
     decode,
 )
+from phalanx.settings import get_settings
 from phalanx.telemetry import get_logger
 
 _PR_SET_PDEATHSIG = 1
@@ -165,6 +167,9 @@ class Launcher:
         # This process's identity in the job: a launcher started again on the same
         # node is new capacity, not the one that was lost.
         self.id = f"{config.node}-{uuid.uuid4().hex[:12]}"
+        self.metrics = LauncherMetrics(instance=self.id, job=config.job, node=config.node)
+        self._metrics_server: MetricsServer | None = None
+        self.metrics_url = ""  # where /metrics is served ("": not yet, or disabled)
 
     # -- start -------------------------------------------------------------------
     async def start(self) -> None:
@@ -182,8 +187,10 @@ class Launcher:
             )
         except (TimeoutError, OSError) as exc:
             raise LaunchError(
-                f"no NATS server answers at {url}: start one (`phalanx nats`) or set NATS_URL ({exc!r})"
+                f"no NATS server answers at {url}: start the control plane (`phalanx up`) or set NATS_URL ({exc!r})"
             ) from exc
+        self._metrics_server = await serve_metrics(self.metrics, self.log)
+        self.metrics_url = self._metrics_server.url if self._metrics_server is not None else ""
         await bus.nc.subscribe(DECISION.format(job=self.job), cb=self._on_decision)
         await bus.nc.subscribe(JOINED.format(job=self.job), cb=self._on_joined)
         await bus.nc.subscribe(SPAWN.format(job=self.job), cb=self._on_spawn)
@@ -209,6 +216,7 @@ class Launcher:
             socket_path=self._tmp / "hb.sock",
             interval_s=heartbeat_interval_s(),
         )
+        self.digests.on_heartbeat = self.metrics.heartbeat
         await self.digests.start()
         self.log.info("node_joined", run=self.run, workers=joined.workers, reason=joined.reason)
         for name, role in zip(joined.workers, roles, strict=True):
@@ -275,7 +283,8 @@ class Launcher:
         taken = {w.slot for w in self.workers.values() if w.proc.poll() is None}
         return next(i for i in range(len(taken) + 1) if i not in taken)
 
-    def spawn(self, name: str, role: Role) -> Worker:
+    def spawn(self, name: str, role: Role, requested: bool = False) -> Worker:
+        """Start worker ``name``; ``requested``: the planner asked for it (a restart, more capacity)."""
         cfg = self.config
         slot = self.free_slot()
         env = {
@@ -326,6 +335,7 @@ class Launcher:
                 os.close(out)
         w = Worker(name, role, proc, slot)
         self.workers[name] = w
+        self.metrics.started(role.value, requested)
         if self.digests is not None:
             self.digests.expect(name, proc.pid)
         threading.Thread(target=self._watch, args=(w,), daemon=True, name=f"watch-{name}").start()
@@ -343,7 +353,7 @@ class Launcher:
             return
         for name in msg.workers:
             if name not in self.workers:  # a redelivery starts nothing twice
-                self.spawn(name, Role.SPARE)
+                self.spawn(name, Role.SPARE, requested=True)
         self.log.info("workers_requested", workers=msg.workers, reason=msg.reason)
 
     # -- exits: the fast crash path -------------------------------------------------
@@ -359,6 +369,7 @@ class Launcher:
         assert rc is not None and w.exited_at is not None and self.bus is not None
         if self.digests is not None:
             self.digests.forget(w.name)
+        self.metrics.exited(w.name, rc)
         event = RankExited(
             job=self.job,
             worker=w.name,
@@ -378,6 +389,15 @@ class Launcher:
 
     def _check_done(self) -> None:
         if self.plan is None:
+            codes = {w.name: w.returncode for w in self.workers.values()}
+            if codes and all(rc is not None and rc != 0 for rc in codes.values()):
+                # Nothing can start: a command that does not run (not found, an import
+                # error) would otherwise leave the launcher waiting for a plan forever.
+                self.removed_reason = f"every worker exited before the job started (exit codes {codes})"
+                self.log.error(
+                    "job_not_started", reason=self.removed_reason, log_dir=str(self.config.log_dir)
+                )
+                self._done.set()
             return
         members = [self.workers[m.worker] for m in self.plan.members if m.worker in self.workers]
         if members and all(w.returncode == 0 for w in members):
@@ -486,6 +506,9 @@ class Launcher:
             await self.digests.stop()
         if self.follower is not None:
             await self.follower.stop()
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+            self._metrics_server = None
         if self.bus is not None:
             await self.bus.close()
         if self.store is None and self._listener is not None:
@@ -513,14 +536,7 @@ def drain_grace_s() -> float:
     """``PHALANX_LAUNCHER_DRAIN_S``: how long a launcher told to stop (SIGTERM) waits for
     its workers to be taken out of the job gracefully (0, the default: stop at once).
     On Kubernetes set it a little below the pod's ``terminationGracePeriodSeconds``."""
-    raw = os.environ.get("PHALANX_LAUNCHER_DRAIN_S", "") or "0"
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ValueError(f"PHALANX_LAUNCHER_DRAIN_S must be a number of seconds >= 0, got {raw!r}")
-    return value
+    return get_settings().launcher_drain_s
 
 
 async def run(config: LaunchConfig, timeout_s: float | None = None) -> int:

@@ -144,6 +144,7 @@ class UserLoop:
         self._received = False
         self._world_seen = 0
         self._on_resize: Callable[[int, int, Plan], None] | None = None
+        self._loss: float | torch.Tensor | None = None  # what report_loss() got in the step in flight
 
     # -- the user's API --------------------------------------------------------------
     def ddp(self, module: nn.Module, **kwargs: Any) -> DistributedDataParallel:
@@ -209,6 +210,7 @@ class UserLoop:
                 self._prepare_step(session)
                 saved = self._snapshot()
                 self.job.status.enter(Phase.COMPUTE)
+                self._loss = None
                 try:
                     yield session.step, batch
                 finally:
@@ -221,7 +223,8 @@ class UserLoop:
                 switch, late = self._vote(session)
                 self._held = None
                 sampler.advance(loader.batch_size * session.world_size)
-                session.committed((time.perf_counter() - t0) * 1000.0, wall0)
+                loss = None if self._loss is None else float(self._loss)
+                session.committed((time.perf_counter() - t0) * 1000.0, wall0, loss)
                 if late is not None or switch:  # a peer died after the step, or a planned resize
                     session.reconfigure(late, self._restore)
             session.finish()
@@ -240,6 +243,12 @@ class UserLoop:
         except CommError as err:
             return False, err
         return float(vote.item()) > 0, None
+
+    def report_loss(self, loss: float | torch.Tensor) -> None:
+        """This rank's loss of the step in flight, recorded with the step once it is
+        committed (``phalanx report`` plots it). A tensor is read (``float()``) only
+        then, after the optimizer step, so the call itself does not synchronize."""
+        self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
 
     def on_resize(self, hook: Callable[[int, int, Plan], None]) -> None:
         """Call ``hook(old_world, new_world, plan)`` when a new generation has another

@@ -39,7 +39,6 @@ cascade of peers dropping their groups.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 from collections import deque
@@ -55,6 +54,7 @@ from phalanx.runtime.comm import CommError, Communicator, Superseded, arrival_ba
 from phalanx.runtime.job import Job
 from phalanx.runtime.state import checksum, pack, recv_state, send_state
 from phalanx.schemas import CollectiveError, Phase, Plan, RecoveryDone, Role
+from phalanx.settings import get_settings
 from phalanx.telemetry import get_logger
 
 PHASES = ("abort", "comm_init", "state_transfer", "data_restore", "first_step")
@@ -116,17 +116,6 @@ class Recovery:
         return end
 
 
-def env_positive(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {raw!r}")
-    return value
-
-
 def state_sources(steps: list[int]) -> dict[int, int]:
     """Who sends its state to whom: ``{receiver rank: source rank}``, given each
     member's step (-1: no state yet). The members at the most advanced step hold the
@@ -170,12 +159,11 @@ class Session:
         self.job, self.state = job, state
         self.checkpoints = checkpoints
         self.device = device or torch.device("cpu")
-        self.collective_timeout_s = collective_timeout_s or env_positive(
-            "PHALANX_COLLECTIVE_TIMEOUT_S", 120.0
-        )
-        self.collective_floor_s = env_positive("PHALANX_COLLECTIVE_FLOOR_MS", 2000.0) / 1e3
-        self.collective_factor = env_positive("PHALANX_COLLECTIVE_FACTOR", 4.0)
-        self.collective_initial_s = env_positive("PHALANX_COLLECTIVE_INITIAL_MS", 60000.0) / 1e3
+        settings = get_settings()
+        self.collective_timeout_s = collective_timeout_s or settings.collective_timeout_s
+        self.collective_floor_s = settings.collective_floor_ms / 1e3
+        self.collective_factor = settings.collective_factor
+        self.collective_initial_s = settings.collective_initial_ms / 1e3
         self._collective_ms: deque[float] = deque(maxlen=COLLECTIVE_WINDOW)
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.plan_timeout_s = plan_timeout_s
@@ -262,12 +250,13 @@ class Session:
             )
         self._join(rec, restore, first=False)
 
-    def committed(self, step_ms: float, started: float) -> None:
+    def committed(self, step_ms: float, started: float, loss: float | None = None) -> None:
         """One optimizer step, begun at wall time ``started``, is done everywhere:
-        count it, and report the recovery whose first step it was."""
+        count it (with its ``loss``, when known, for the run's record), and report the
+        recovery whose first step it was."""
         self.step += 1
         status = self.job.status
-        status.step, status.step_ms = self.step, step_ms
+        status.completed(self.step, step_ms, loss)
         status.enter(Phase.COMPUTE)
         if self.pending is not None:
             self.pending.mark("first_step", started)

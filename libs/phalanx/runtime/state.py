@@ -52,7 +52,6 @@ with a ``TypeError`` naming where it sits (``optimizer.state.3.step``).
 from __future__ import annotations
 
 import math
-import os
 import struct
 import zlib
 from collections import OrderedDict
@@ -63,6 +62,7 @@ import msgpack
 import torch
 
 from phalanx.runtime.comm import Communicator
+from phalanx.settings import get_settings
 
 __all__ = [
     "CHECKSUM_KINDS",
@@ -100,7 +100,6 @@ _WSUM_CHUNK = 1 << 22  # 4-byte words per step (bounds temporaries to ~64 MiB); 
 
 MAX_META_BYTES = 64 << 20
 MAX_BUFFER_BYTES_ENV = "PHALANX_STATE_MAX_BYTES"
-DEFAULT_MAX_BUFFER_BYTES = 64 << 30
 MAX_TENSORS = 1 << 20
 MAX_DEPTH = 64
 _MAX_DIMS = 64
@@ -143,16 +142,7 @@ class StateTransferError(RuntimeError):
 def max_buffer_bytes() -> int:
     """The largest state buffer :func:`recv_state` accepts: ``PHALANX_STATE_MAX_BYTES``,
     else 64 GiB."""
-    raw = os.environ.get(MAX_BUFFER_BYTES_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_MAX_BUFFER_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{MAX_BUFFER_BYTES_ENV} must be a non-negative byte count, got {raw!r}")
-    return value
+    return get_settings().state_max_bytes
 
 
 def _at(path: str, key: object) -> str:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from phalanx.schemas import Heartbeat, Phase
+from phalanx.schemas import Heartbeat, Phase, StepRecord
+from phalanx.schemas.messages import MAX_STEP_RECORDS
 
 
 @dataclass
@@ -24,17 +26,47 @@ class RankStatus:
     collective_bound_ms: float = 0.0
     """The per-op timeout of the current (or last) gradient all-reduce: the detector
     takes a rank in COLLECTIVE for longer, while a peer has left, for hung."""
+    loss: float | None = None
     phase: Phase = Phase.STARTING
     phase_since: float = field(default_factory=time.monotonic)
     pid: int = field(default_factory=os.getpid)
     host: str = field(default_factory=socket.gethostname)
+    unsent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4 * MAX_STEP_RECORDS))
+    """Completed steps not yet on a heartbeat that went out (the oldest are dropped
+    first when heartbeats cannot go out for long)."""
 
     def enter(self, phase: Phase) -> None:
         if phase is not self.phase:
             self.phase_since = time.monotonic()
             self.phase = phase
 
-    def heartbeat(self, seq: int, interval_s: float) -> Heartbeat:
+    def completed(self, step: int, step_ms: float, loss: float | None) -> None:
+        """The training thread completed optimizer step ``step`` (counting it)."""
+        self.step, self.step_ms, self.loss = step, step_ms, loss
+        self.unsent.append(
+            StepRecord(
+                worker=self.worker,
+                rank=max(self.rank, 0),
+                generation=self.generation,
+                step=step,
+                step_ms=step_ms,
+                loss=loss,
+                at=time.time(),
+            )
+        )
+
+    def take_finished(self) -> list[StepRecord]:
+        """Up to :data:`MAX_STEP_RECORDS` of the oldest unsent steps, removed from the queue."""
+        out: list[StepRecord] = []
+        while self.unsent and len(out) < MAX_STEP_RECORDS:
+            out.append(self.unsent.popleft())
+        return out
+
+    def put_back(self, records: list[StepRecord]) -> None:
+        """A heartbeat with ``records`` did not go out: they go out with the next."""
+        self.unsent.extendleft(reversed(records))
+
+    def heartbeat(self, seq: int, interval_s: float, finished: list[StepRecord] | None = None) -> Heartbeat:
         return Heartbeat(
             job=self.job,
             worker=self.worker,
@@ -49,4 +81,6 @@ class RankStatus:
             host=self.host,
             interval_ms=interval_s * 1000.0,
             collective_bound_ms=self.collective_bound_ms,
+            loss=self.loss,
+            finished=finished or [],
         )

@@ -351,7 +351,7 @@ class Trainer:
         self.optimizer.step()
         votes, self.last_loss = self.flat[VOTE:].tolist()
         step_ms = (time.perf_counter() - t0) * 1000.0
-        session.committed(step_ms, wall0)
+        session.committed(step_ms, wall0, self.last_loss)
         self._switch = votes > 0  # every member saw the same sum: all switch after this step
         self._maybe_checkpoint()
         if self.on_step is not None:

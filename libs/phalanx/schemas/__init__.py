@@ -36,6 +36,8 @@ from phalanx.schemas.messages import (
     Registered,
     Role,
     SpawnWorkers,
+    StepRecord,
+    StepStats,
 )
 
 __all__ = [
@@ -75,6 +77,8 @@ __all__ = [
     "Registered",
     "Role",
     "SpawnWorkers",
+    "StepRecord",
+    "StepStats",
     "decode",
     "encode",
     "headers_for",

@@ -37,6 +37,22 @@ class Phase(StrEnum):
     DONE = "done"  # last heartbeat of a worker leaving cleanly: stop watching it
 
 
+MAX_STEP_RECORDS = 256
+"""At most this many finished steps ride on one heartbeat (a datagram stays small)."""
+
+
+class StepRecord(Message):
+    """One optimizer step a rank completed: what ``phalanx report`` plots."""
+
+    worker: WorkerId
+    rank: int = Field(ge=0)
+    generation: int = Field(ge=0)
+    step: int = Field(ge=1, description="Optimizer steps completed, this one included.")
+    step_ms: float = Field(ge=0, description="Wall time of the step on this rank.")
+    loss: float | None = Field(default=None, description="The step's loss, if the training loop reported it.")
+    at: float = Field(description="Wall time the step completed.")
+
+
 class Heartbeat(JobMessage):
     """Published on core NATS every heartbeat interval by every rank and spare."""
 
@@ -56,6 +72,12 @@ class Heartbeat(JobMessage):
         default=0.0,
         ge=0,
         description="The per-op timeout of the rank's current (or last) gradient all-reduce (0: none yet).",
+    )
+    loss: float | None = Field(default=None, description="Loss of the last completed step, if reported.")
+    finished: list[StepRecord] = Field(
+        default_factory=list,
+        max_length=MAX_STEP_RECORDS,
+        description="Steps completed since the last heartbeat that went out (the launcher persists them).",
     )
 
 
@@ -177,6 +199,18 @@ class NodeDigest(JobMessage):
     seq: int = Field(ge=0)
     interval_ms: float = Field(gt=0)
     entries: list[DigestEntry] = Field(default_factory=list)
+
+
+class StepStats(JobMessage):
+    """Published on JetStream by each node's launcher about once a second: the steps
+    its ranks completed since the last one, so a run's step times and losses can be
+    read (``phalanx report``) after the job has ended."""
+
+    KIND = "step_stats"
+    node: NodeId = Field(max_length=64, pattern=_NAME)
+    launcher: str = Field(min_length=1, max_length=64)
+    seq: int = Field(ge=0, description="Per launcher; with it, the message's Nats-Msg-Id.")
+    steps: list[StepRecord] = Field(max_length=4096)
 
 
 class LrRule(StrEnum):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
 from opentelemetry import trace
+
+from phalanx.settings import get_settings
 
 _configured = False
 
@@ -27,7 +28,7 @@ def setup_logging(service: str, level: str | None = None) -> None:
     global _configured
     if _configured:
         return
-    lvl = getattr(logging, (level or os.environ.get("PHALANX_LOG_LEVEL", "INFO")).upper())
+    lvl = getattr(logging, (level or get_settings().log_level or "INFO").upper())
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -1,7 +1,11 @@
 """OpenTelemetry tracing set-up for services and ranks.
 
-Where ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, spans go to that collector over
-OTLP/HTTP (Jaeger all-in-one takes it on :4318). Otherwise each process appends
+Where the standard OpenTelemetry variables ask for OTLP (``OTEL_EXPORTER_OTLP_ENDPOINT``
+or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` set, or ``OTEL_TRACES_EXPORTER=otlp``), spans
+go to that collector over OTLP/HTTP protobuf (Jaeger all-in-one takes it on :4318;
+``OTEL_EXPORTER_OTLP_COMPRESSION``, ``_HEADERS`` and ``_TIMEOUT`` apply as the SDK
+reads them). Every Phalanx process (services, launcher, ranks) sets up here, and the
+launcher passes its ``OTEL_*`` variables on to its ranks. Otherwise each process appends
 its spans as JSON lines to ``PHALANX_SPAN_FILE`` (default ``.phalanx/spans.jsonl``),
 which ``phalanx trace summary`` reads. One line per span, written with a single
 ``write`` on an ``O_APPEND`` descriptor, so many processes can share the file.
@@ -26,7 +30,8 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
-DEFAULT_SPAN_FILE = ".phalanx/spans.jsonl"
+from phalanx.settings import get_settings
+
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
 
@@ -73,6 +78,32 @@ class JsonLinesSpanExporter(SpanExporter):
             pass
 
 
+def wants_otlp() -> bool:
+    """Whether the standard OpenTelemetry variables ask for OTLP export of traces
+    (they are the SDK's own contract, read as it reads them, not Phalanx settings)."""
+    chosen = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if chosen:
+        return chosen == "otlp"
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
+
+
+def _exporter_from_env() -> SpanExporter:
+    if wants_otlp():
+        protocol = (
+            os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "http/protobuf"
+        )
+        if protocol != "http/protobuf":
+            raise ValueError(f"OTLP protocol {protocol!r}: Phalanx exports traces over http/protobuf only")
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()  # endpoint, headers, compression, timeout: from the OTEL_* variables
+    return JsonLinesSpanExporter(get_settings().span_file)
+
+
 def setup_tracing(
     service: str, *, exporter: SpanExporter | None = None, batch: bool = True
 ) -> TracerProvider:
@@ -87,15 +118,7 @@ def setup_tracing(
         attrs = {"service.name": service, "service.instance.id": f"{os.uname().nodename}:{os.getpid()}"}
         provider = TracerProvider(resource=Resource.create(attrs))
         if exporter is None:
-            endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-            if endpoint:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                    OTLPSpanExporter,
-                )
-
-                exporter = OTLPSpanExporter()
-            else:
-                exporter = JsonLinesSpanExporter(os.environ.get("PHALANX_SPAN_FILE", DEFAULT_SPAN_FILE))
+            exporter = _exporter_from_env()
         processor = (
             BatchSpanProcessor(exporter, schedule_delay_millis=200)
             if batch

@@ -1,0 +1,7 @@
+"""``python -m phalanx.cli``: the ``phalanx`` command."""
+
+import sys
+
+from phalanx.cli import main
+
+sys.exit(main())

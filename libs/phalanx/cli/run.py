@@ -1,0 +1,333 @@
+"""``phalanx run``: this node's ranks and hot spares for a training command, like torchrun.
+
+The control plane is checked before anything starts: with ``NATS_URL`` (or
+``--rdzv-endpoint``) the server must answer and the planner and detector must answer
+their health pings, else the command fails within seconds saying what to start.
+Without either, a single-node run uses the control plane ``phalanx up`` serves on
+127.0.0.1:4222, or, when nothing is there, starts a private one (nats-server and the
+four services, logs under ``.phalanx/run-<job>/``) for the length of the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+from pydantic import ValidationError
+
+from phalanx.cli._common import (
+    REQUIRED_SERVICES,
+    Failed,
+    connect,
+    err_console,
+    require_services,
+    server_url,
+    settings,
+)
+from phalanx.schemas import Elastic, LrRule
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"2:4"`` -> (2, 4); a clear ValueError otherwise."""
+    lo, _, hi = text.partition(":")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--nnodes must be MIN or MIN:MAX, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"--nnodes needs 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
+def elastic_settings(
+    *,
+    max_nproc: int,
+    sizes: str | None,
+    size_step: int,
+    cooldown: str,
+    grace: str,
+    micro_batch: int,
+    max_accum: int,
+    lr_rule: str,
+    auto_grow: bool,
+) -> Elastic:
+    """The job's elasticity from ``phalanx run``'s options (a clear ValueError if inconsistent)."""
+    from phalanx.cluster import parse_grace
+
+    try:
+        allowed = [int(x) for x in sizes.split(",") if x.strip()] if sizes else []
+    except ValueError:
+        raise ValueError(f"--sizes must be a comma-separated list of world sizes, got {sizes!r}") from None
+    try:
+        return Elastic(
+            max_world_size=max_nproc,
+            sizes=allowed,
+            size_step=size_step,
+            cooldown_s=parse_grace(cooldown, "--cooldown"),
+            grace_s=parse_grace(grace, "--grace"),
+            micro_batch=micro_batch,
+            max_accum=max_accum,
+            lr_rule=LrRule(lr_rule),
+            auto_grow=auto_grow,
+        )
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ValueError(f"elastic setting {where or ''}: {first['msg']}") from None
+
+
+@contextlib.contextmanager
+def _private_control_plane(job: str, workdir: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """A nats-server and the four services for this run only; yields (url, worker env)."""
+    from phalanx.localstack import LocalStack
+
+    stack = LocalStack(workdir, env={"PHALANX_SPAN_FILE": str(settings().span_file.resolve())})
+    err_console.print(
+        f"[dim]phalanx run: no NATS_URL and nothing on {DEFAULT_URL}: starting a private control plane "
+        f"(nats-server + 4 services) for job {job}; logs in {workdir}/[/]"
+    )
+    with stack:
+        yield stack.url, {"PHALANX_SHM_ROOT": str(stack.shm_root)}
+
+
+async def _check_control_plane(url: str, job: str) -> None:
+    bus = await connect(url, name=f"phalanx-run-{job}")
+    try:
+        await require_services(bus, url, REQUIRED_SERVICES)
+    finally:
+        await bus.close()
+
+
+def _plain_default_available() -> bool:
+    from phalanx.bus.probe import Unreachable, probe
+
+    try:
+        asyncio.run(probe(DEFAULT_URL, timeout_s=1.0))
+        return True
+    except Unreachable:
+        return False
+
+
+def launch(config: object, timeout_s: float | None, private: bool, workdir: Path) -> int:
+    """Check the control plane (or start a private one), then run the launcher to its end."""
+    from phalanx.runtime.launcher import LaunchConfig, LaunchError, run
+    from phalanx.telemetry import setup_logging, setup_tracing, shutdown_tracing
+
+    assert isinstance(config, LaunchConfig)
+    with contextlib.ExitStack() as stack:
+        if private:
+            url, env = stack.enter_context(_private_control_plane(config.job, workdir))
+            config.nats_url, config.env = url, {**env, **config.env}
+        else:
+            asyncio.run(_check_control_plane(config.nats_url or DEFAULT_URL, config.job))
+        setup_logging("launcher")
+        setup_tracing("phalanx-launcher")
+        try:
+            return asyncio.run(run(config, timeout_s))
+        except (LaunchError, ValueError) as exc:
+            raise Failed(str(exc)) from None
+        finally:
+            shutdown_tracing()
+
+
+@click.command(
+    "run",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    epilog="Example: phalanx run --nproc 4 --spares 1 --global-batch 64 -- python train.py --lr 3e-4",
+)
+@click.option(
+    "--nproc",
+    "--nproc-per-node",
+    "nproc",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Ranks to start on this node.",
+)
+@click.option(
+    "--spares",
+    "--spares-per-node",
+    "spares",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Hot spares on this node: warm workers that replace a lost rank in place.",
+)
+@click.option(
+    "--job",
+    envvar="PHALANX_JOB",
+    show_envvar=True,
+    help="The job's name, the same on every node (default: a random one for a single node).",
+)
+@click.option(
+    "--nnodes", default="1", show_default=True, help="MIN[:MAX] nodes; the job starts when MIN have joined."
+)
+@click.option("--node-id", help="This node's name in the job, unique per node (needed when MAX > 1).")
+@click.option(
+    "--rdzv-endpoint", metavar="HOST:PORT", help="The NATS server the nodes meet through (default: NATS_URL)."
+)
+@click.option(
+    "--bind",
+    metavar="ADDR",
+    help="Address the rendezvous store and gloo listen on (default: the one that reaches NATS).",
+)
+@click.option(
+    "--global-batch",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Samples per optimizer step, whole job; held constant across resizes.",
+)
+@click.option(
+    "--min-nproc",
+    type=click.IntRange(min=1),
+    help="Smallest world a shrink may leave when a rank is lost with no spare (default: no shrink).",
+)
+@click.option(
+    "--max-nproc",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Largest world (ranks, whole job) a grow may reach (default: the starting world).",
+)
+@click.option(
+    "--sizes", metavar="N,N,..", help="Allowed world sizes, e.g. 2,4,8 (default: any from min to max)."
+)
+@click.option(
+    "--size-step",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="World sizes must be multiples of this.",
+)
+@click.option("--cooldown", default="10s", show_default=True, help="No grow sooner than this after a change.")
+@click.option(
+    "--grace",
+    default="30s",
+    show_default=True,
+    help="Time leaving ranks get when a preemption notice gives none.",
+)
+@click.option(
+    "--micro-batch",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Samples per forward of one replica (0: the whole shard at once).",
+)
+@click.option(
+    "--max-accum",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Most micro-batches per replica per step, a memory/time cap (0: none).",
+)
+@click.option(
+    "--lr-rule",
+    type=click.Choice(["none", "linear", "sqrt"]),
+    default="none",
+    show_default=True,
+    help="How the learning rate follows the effective batch when the global batch cannot be held.",
+)
+@click.option(
+    "--auto-grow/--no-auto-grow",
+    default=True,
+    show_default=True,
+    help="Grow into ready spares on the planner's own initiative (off: only a policy's proposals).",
+)
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write each worker's output to DIR/<worker>.log (default: this terminal).",
+)
+@click.option(
+    "--join-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Seconds to wait for the planner's answer to this node's join.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Give up (and stop the workers) after this many seconds.",
+)
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED, metavar="-- COMMAND [ARGS]...")
+def run_command(
+    nproc: int,
+    spares: int,
+    job: str | None,
+    nnodes: str,
+    node_id: str | None,
+    rdzv_endpoint: str | None,
+    bind: str | None,
+    global_batch: int,
+    min_nproc: int | None,
+    max_nproc: int,
+    sizes: str | None,
+    size_step: int,
+    cooldown: str,
+    grace: str,
+    micro_batch: int,
+    max_accum: int,
+    lr_rule: str,
+    auto_grow: bool,
+    log_dir: Path | None,
+    join_timeout: float,
+    timeout: float | None,
+    cmd: tuple[str, ...],
+) -> int:
+    """Launch this node's ranks and hot spares for a training command.
+
+    The command is started once per rank and spare with RANK, WORLD_SIZE and
+    PHALANX_* set; the job goes on through crashes, hangs and resizes without a
+    restart. Fails within seconds, saying what to start, when the control plane is
+    not there.
+    """
+    from phalanx.runtime.launcher import LaunchConfig
+
+    if not cmd:
+        raise Failed("give the training command after --, e.g. `phalanx run --nproc 2 -- python train.py`")
+    try:
+        min_nodes, max_nodes = parse_nnodes(nnodes)
+        elastic = elastic_settings(
+            max_nproc=max_nproc, sizes=sizes, size_step=size_step, cooldown=cooldown, grace=grace,
+            micro_batch=micro_batch, max_accum=max_accum, lr_rule=lr_rule, auto_grow=auto_grow,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise Failed(str(exc)) from None
+    if max_nodes > 1 and not node_id:
+        raise Failed("a job that may span nodes needs --node-id (unique per node)")
+    if max_nodes > 1 and not job:
+        raise Failed("every node of a multi-node job must name it with --job")
+    explicit = bool(rdzv_endpoint) or "nats_url" in settings().model_fields_set
+    private = not explicit and not _plain_default_available()
+    if private and max_nodes > 1:
+        raise Failed(
+            f"nothing answers on {DEFAULT_URL} and NATS_URL is not set: a multi-node job needs a control plane "
+            "all nodes reach (`phalanx up --host ADDR` on one machine, then --rdzv-endpoint ADDR:4222)"
+        )
+    name = job or f"job-{uuid.uuid4().hex[:8]}"
+    config = LaunchConfig(
+        job=name,
+        cmd=list(cmd),
+        nproc=nproc,
+        spares=spares,
+        global_batch=global_batch,
+        min_nproc=min_nproc,
+        nats_url=server_url(rdzv_endpoint) if explicit else DEFAULT_URL,
+        log_dir=log_dir,
+        node=node_id or "local",
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        bind=bind,
+        join_timeout_s=join_timeout,
+        elastic=elastic,
+    )
+    return launch(config, timeout, private, Path(".phalanx") / f"run-{name}")
+
+
+COMMANDS = [run_command]

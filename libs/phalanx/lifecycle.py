@@ -1,0 +1,40 @@
+"""Stop what a process started when the process itself is stopped.
+
+Python runs ``finally`` blocks and ``__exit__`` on Ctrl-C (KeyboardInterrupt) but
+not on SIGTERM, which kills it outright: a benchmark under ``timeout 60`` used to
+leave its nats-server running (servers run in their own session, so the signal
+does not reach them either). :func:`exit_on_sigterm` turns SIGTERM into
+``SystemExit(143)`` in the main thread, so the same cleanup runs as for Ctrl-C.
+Whatever starts servers or services calls it (:class:`phalanx.natsserver.NatsServer`,
+:class:`phalanx.localstack.LocalStack`, :class:`phalanx.s3server.S3Server`,
+``phalanx up``).
+
+It only replaces the default action: a handler someone installed (an asyncio
+loop's, a service's drain) is left alone.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+SIGTERM_EXIT = 128 + signal.SIGTERM
+
+
+def _raise_exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> bool:
+    """SIGTERM raises ``SystemExit(143)`` in the main thread from now on, if it would
+    otherwise kill the process; True when installed (or already installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _raise_exit:
+        return True
+    if current not in (signal.SIG_DFL, None):
+        return False
+    signal.signal(signal.SIGTERM, _raise_exit)
+    return True

@@ -1,0 +1,193 @@
+"""The operator's path, through the public CLI only: ``phalanx up`` in one terminal,
+``phalanx run`` in another, ``phalanx status`` to watch, a rank SIGKILLed, and
+everything stopped by a signal with nothing left behind and no warning logged.
+
+Every command runs as a subprocess, the way a person types it; the test reads what
+they print (``phalanx status --json``) and what the processes leave (ports, pids).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from examples.train_gpt import SMALL
+from phalanx.natsserver import free_port
+
+pytestmark = pytest.mark.slow
+
+PHALANX = [sys.executable, "-m", "phalanx.cli"]
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def _until(what: str, check: Any, timeout_s: float = 90.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str, Path]]:
+    """``phalanx up`` on a free port, as a subprocess; yields (process, NATS URL, workdir)."""
+    port = free_port()
+    work = tmp_path / "up"
+    proc = subprocess.Popen(
+        [*PHALANX, "up", "--no-live", "--port", str(port), "--metrics-port", "0", "--workdir", str(work)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert "services healthy" in first, first + (proc.stderr.read() if proc.poll() is not None else "")
+        yield proc, f"nats://127.0.0.1:{port}", work
+    finally:
+        if proc.poll() is None:  # SIGTERM first: a SIGKILLed `up` cannot stop what it started
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _status(url: str, job: str) -> dict[str, Any] | None:
+    done = subprocess.run(
+        [*PHALANX, "status", job, "--json"],
+        env={**os.environ, "NATS_URL": url},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def test_up_run_status_through_a_recovery_then_sigterm_stops_everything(
+    up: tuple[subprocess.Popen[str], str, Path], corpus: Path, tmp_path: Path
+) -> None:
+    proc, url, work = up
+    job = "operate"
+    train = [sys.executable, "-m", "examples.train_gpt", "--steps", "100000", "--data", str(corpus), *SMALL]
+    run = subprocess.Popen(
+        [*PHALANX, "run", "--nproc", "2", "--spares", "1", "--job", job, "--log-dir", str(tmp_path / "logs"), "--",
+         *train],
+        env={**os.environ, "NATS_URL": url},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+
+        def training(generation: int) -> dict[str, Any] | None:
+            s = _status(url, job)
+            ok = s and s["generation"] == generation and s["live"] and (s["step"] or 0) >= 3
+            return s if ok else None
+
+        first = _until("generation 1 training", lambda: training(1))
+        ranks = {w["worker"]: w for w in first["workers"] if w["role"] == "rank"}
+        spare = next(w["worker"] for w in first["workers"] if w["role"] == "spare")
+        assert sorted(w["rank"] for w in ranks.values()) == [0, 1]
+        victim = next(w for w in ranks.values() if w["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+
+        after = _until("generation 2 training", lambda: training(2))
+        now = {w["rank"]: w["worker"] for w in after["workers"] if w["role"] == "rank"}
+        assert now == {0: next(w for w, v in ranks.items() if v["rank"] == 0), 1: spare}, now
+        assert after["incidents"][-1]["generation"] == 2
+        assert after["incidents"][-1]["incident"].startswith(f"{job}:{victim['worker']}:")
+        assert after["world_size"] == 2 and after["state"] == "running"
+    finally:
+        run.send_signal(signal.SIGTERM)
+        run.wait(60)
+
+    # SIGTERM to `phalanx up`: it stops NATS and the services, exits 0, leaves nothing.
+    port = int(url.rsplit(":", 1)[1])
+    started = _children(proc.pid)
+    assert started, "phalanx up has no child processes?"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    assert not _port_open(port), "the nats-server outlived `phalanx up`"
+    assert not [p for p in started if _pid_alive(p)], "processes `phalanx up` started outlived it"
+    logs = "".join(p.read_text() for p in work.glob("*.log"))
+    assert "service_stopped" in logs
+    assert "nats_disconnected" not in logs and "nats_error" not in logs
+
+
+def test_phalanx_run_without_nats_url_uses_a_private_control_plane(corpus: Path, tmp_path: Path) -> None:
+    """No NATS_URL and nothing on 127.0.0.1:4222: the run starts its own NATS and services,
+    trains to the end, and stops them."""
+    if _port_open(4222):
+        pytest.skip("something listens on 127.0.0.1:4222 (a `phalanx up`?): the private path is not taken")
+    env = {k: v for k, v in os.environ.items() if k not in ("NATS_URL", "PHALANX_NATS_URL")}
+    train = [
+        sys.executable,
+        "-m",
+        "phalanx.examples.train_gpt",
+        "--steps",
+        "5",
+        "--data",
+        str(corpus),
+        *SMALL,
+    ]
+    done = subprocess.run(
+        [*PHALANX, "run", "--nproc", "2", "--job", "private", "--", *train],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "starting a private control plane" in done.stderr
+    assert (tmp_path / ".phalanx" / "run-private" / "elasticity-planner.log").exists()
+    assert not _port_open(4222)
+    assert not [
+        p
+        for p in _children(os.getpid())
+        if _pid_alive(p) and b"nats-server" in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
