@@ -145,6 +145,27 @@ def test_up_run_status_through_a_recovery_then_sigterm_stops_everything(
         run.send_signal(signal.SIGTERM)
         run.wait(60)
 
+    # A service that dies under `phalanx up` is started again (health answers, new pid).
+    def health(name: str) -> dict[str, Any] | None:
+        done = subprocess.run(
+            [*PHALANX, "health", name],
+            env={**os.environ, "NATS_URL": url},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return json.loads(done.stdout) if done.returncode == 0 else None
+
+    before = health("scheduler-signal")
+    assert before is not None
+    pid = int(before["instance"].split(":")[1])
+    os.kill(pid, signal.SIGKILL)
+    again = _until(
+        "scheduler-signal restarted",
+        lambda: (h := health("scheduler-signal")) and h["instance"] != before["instance"] and h,
+    )
+    assert int(again["instance"].split(":")[1]) != pid
+
     # SIGTERM to `phalanx up`: it stops NATS and the services, exits 0, leaves nothing.
     port = int(url.rsplit(":", 1)[1])
     started = _children(proc.pid)

@@ -12,8 +12,8 @@ from phalanx.bus import Bus
 from phalanx.bus.probe import Unreachable, probe
 from phalanx.settings import Settings, SettingsError, get_settings
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+console = Console(highlight=False, soft_wrap=True)  # one-line messages stay one line
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 REQUIRED_SERVICES = ("elasticity-planner", "failure-detector")
 """Without these a job cannot start or recover; the other two only add elasticity signals

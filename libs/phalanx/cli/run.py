@@ -90,7 +90,8 @@ def _private_control_plane(job: str, workdir: Path) -> Iterator[tuple[str, dict[
     stack = LocalStack(workdir, env={"PHALANX_SPAN_FILE": str(settings().span_file.resolve())})
     err_console.print(
         f"[dim]phalanx run: no NATS_URL and nothing on {DEFAULT_URL}: starting a private control plane "
-        f"(nats-server + 4 services) for job {job}; logs in {workdir}/[/]"
+        f"(nats-server + 4 services) for job {job}; logs in {workdir}/[/]",
+        soft_wrap=True,
     )
     with stack:
         yield stack.url, {"PHALANX_SHM_ROOT": str(stack.shm_root)}
