@@ -194,7 +194,9 @@ async def job_view(bus: Bus, job: str, *, listen_s: float = 1.0, history: int = 
     last: dict[str, tuple[float, int]] = {}
     for at, d in digests:
         for e in d.entries:
-            v = workers.setdefault(e.worker, WorkerView(e.worker, d.node, "left", None))
+            # not in the plan: a spare that registered after it (rank -1), or one that left
+            role = "spare" if e.rank < 0 else "left"
+            v = workers.setdefault(e.worker, WorkerView(e.worker, d.node, role, None))
             v.pid, v.step, v.step_ms, v.phase, v.age_ms = e.pid, e.step, e.step_ms, e.phase.value, e.age_ms
             if v.role == "rank":
                 first.setdefault(e.worker, (at, e.step))

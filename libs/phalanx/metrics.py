@@ -89,6 +89,7 @@ from prometheus_client.exposition import choose_encoder
 
 from phalanx.schemas import Heartbeat
 from phalanx.settings import get_settings
+from phalanx.tracesummary import PHASES as RECOVERY_PHASES
 
 __all__ = [
     "DetectorMetrics",
@@ -102,18 +103,8 @@ __all__ = [
     "serve_metrics",
 ]
 
-PHASES = (
-    "detect",
-    "plan",
-    "notify",
-    "abort",
-    "comm_init",
-    "state_transfer",
-    "data_restore",
-    "first_step",
-    "total",
-)
-"""The phases of ``phalanx_recovery_downtime_seconds``."""
+PHASES = (*RECOVERY_PHASES, "total")
+"""The phases of ``phalanx_recovery_downtime_seconds``: a recovery's, and fault -> last first step."""
 
 disable_created_metrics()  # no ``*_created`` series: nothing here reads them
 

@@ -326,13 +326,17 @@ class Bus:
             raise TypeError(f"{subject.pattern} carries {subject.message.KIND}, not {msg.KIND}")
         subj = subject.format(**tokens)
         payload, headers = encode(msg)
-        if not traced:
+
+        async def send() -> None:
             if subject.transport is Transport.JETSTREAM:
                 if msg_id:
                     headers["Nats-Msg-Id"] = msg_id
                 await self._js_publish(subj, payload, headers, retry_for_s)
             else:
                 await self.nc.publish(subj, payload, headers=headers)
+
+        if not traced:
+            await send()
             return
         with _tracer.start_as_current_span(
             f"publish {subject.pattern}",
@@ -345,12 +349,7 @@ class Bus:
             },
         ):
             inject_headers(headers)
-            if subject.transport is Transport.JETSTREAM:
-                if msg_id:
-                    headers["Nats-Msg-Id"] = msg_id
-                await self._js_publish(subj, payload, headers, retry_for_s)
-            else:
-                await self.nc.publish(subj, payload, headers=headers)
+            await send()
 
     async def _js_publish(
         self, subj: str, payload: bytes, headers: dict[str, str], retry_for_s: float

@@ -120,24 +120,32 @@ async def kv_latest(
         deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
         inactive_threshold=60.0,
     )
+    out: dict[str, bytes] = {}
+    for msg in await _caught_up(sub, f"{bucket} keys matching {pattern!r}", timeout_s):
+        headers = msg.headers or {}
+        key = msg.subject[len(prefix) :]
+        if headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
+            out.pop(key, None)
+        else:
+            out[key] = msg.data
+    return out
+
+
+async def _caught_up(sub: JetStreamContext.PushSubscription, what: str, timeout_s: float) -> list[Msg]:
+    """Every message of an ordered consumer up to the one the server sent with nothing
+    pending after it (then unsubscribes); ``[]`` only when consumer info shows nothing
+    pending *and* nothing delivered; ``TimeoutError`` when they stop coming before that."""
     try:
         info = await sub.consumer_info()
         if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
-            return {}
-        out: dict[str, bytes] = {}
+            return []
+        out: list[Msg] = []
         while True:
             try:
                 msg = await sub.next_msg(timeout=timeout_s)
             except nats.errors.TimeoutError:
-                raise TimeoutError(
-                    f"{bucket}: read {len(out)} keys matching {pattern!r}, then nothing for {timeout_s}s"
-                ) from None
-            headers = msg.headers or {}
-            key = msg.subject[len(prefix) :]
-            if headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
-                out.pop(key, None)
-            else:
-                out[key] = msg.data
+                raise TimeoutError(f"read {len(out)} of {what}, then nothing for {timeout_s}s") from None
+            out.append(msg)
             if msg.metadata.num_pending == 0:
                 return out
     finally:
@@ -164,21 +172,4 @@ async def stream_history(
         deliver_policy=DeliverPolicy.ALL,
         inactive_threshold=60.0,
     )
-    try:
-        info = await sub.consumer_info()
-        if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
-            return []
-        out: list[Msg] = []
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=timeout_s)
-            except nats.errors.TimeoutError:
-                raise TimeoutError(
-                    f"{subject}: read {len(out)} messages, then nothing for {timeout_s}s"
-                ) from None
-            out.append(msg)
-            if msg.metadata.num_pending == 0:
-                return out
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.shield(sub.unsubscribe())
+    return await _caught_up(sub, f"the messages on {subject}", timeout_s)

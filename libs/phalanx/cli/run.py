@@ -130,9 +130,18 @@ def launch(config: object, timeout_s: float | None, private: bool, workdir: Path
         setup_logging("launcher")
         setup_tracing("phalanx-launcher")
         try:
-            return asyncio.run(run(config, timeout_s))
+            rc = asyncio.run(run(config, timeout_s))
+            if rc != 0:
+                err_console.print(
+                    f"phalanx run: job {config.job} did not complete here (exit {rc}); the log above says why"
+                )
+            return rc
         except (LaunchError, ValueError) as exc:
             raise Failed(str(exc)) from None
+        except TimeoutError:
+            raise Failed(
+                f"job {config.job} ran past --timeout {timeout_s:g} s: its workers were stopped", 1
+            ) from None
         finally:
             shutdown_tracing()
 
