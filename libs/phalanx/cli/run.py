@@ -15,6 +15,7 @@ import contextlib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from pydantic import ValidationError
@@ -29,6 +30,9 @@ from phalanx.cli._common import (
     settings,
 )
 from phalanx.schemas import Elastic, LrRule
+
+if TYPE_CHECKING:  # imports torch: only when a job is launched
+    from phalanx.runtime.launcher import LaunchConfig
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -115,12 +119,11 @@ def _plain_default_available() -> bool:
         return False
 
 
-def launch(config: object, timeout_s: float | None, private: bool, workdir: Path) -> int:
+def launch(config: LaunchConfig, timeout_s: float | None, private: bool, workdir: Path) -> int:
     """Check the control plane (or start a private one), then run the launcher to its end."""
-    from phalanx.runtime.launcher import LaunchConfig, LaunchError, run
+    from phalanx.runtime.launcher import LaunchError, run
     from phalanx.telemetry import setup_logging, setup_tracing, shutdown_tracing
 
-    assert isinstance(config, LaunchConfig)
     with contextlib.ExitStack() as stack:
         if private:
             url, env = stack.enter_context(_private_control_plane(config.job, workdir))

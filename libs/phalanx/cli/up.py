@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Group
@@ -24,6 +25,10 @@ from rich.table import Table
 
 from phalanx.cli._common import Failed, connect, console, server_url, settings
 from phalanx.schemas import HealthReply
+
+if TYPE_CHECKING:  # both import torch: only when the command runs
+    from phalanx.jobstatus import JobSummary
+    from phalanx.localstack import LocalStack
 
 SERVICES = {
     "failure-detector": "phalanx.services.failure_detector",
@@ -34,10 +39,9 @@ SERVICES = {
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
-def _services_table(stack: object, health: dict[str, HealthReply | None], restarts: dict[str, int]) -> Table:
-    from phalanx.localstack import LocalStack
-
-    assert isinstance(stack, LocalStack)
+def _services_table(
+    stack: LocalStack, health: dict[str, HealthReply | None], restarts: dict[str, int]
+) -> Table:
     t = Table(title="services", title_justify="left", expand=False)
     for col in ("service", "pid", "status", "uptime", "restarts", "metrics"):
         t.add_column(col)
@@ -61,27 +65,22 @@ def _services_table(stack: object, health: dict[str, HealthReply | None], restar
     return t
 
 
-def _jobs_table(jobs: list[object]) -> Table:
-    from phalanx.jobstatus import JobSummary
-
+def _jobs_table(jobs: list[JobSummary]) -> Table:
     t = Table(title="jobs (phalanx status JOB for one)", title_justify="left")
     for col in ("job", "generation", "ranks", "spares", "last plan"):
         t.add_column(col)
     for j in jobs:
-        assert isinstance(j, JobSummary)
         t.add_row(j.job, str(j.generation), str(j.world_size), str(j.spares), j.reason[:80])
     if not jobs:
         t.add_row("-", "", "", "", "none yet: phalanx run --nproc 2 -- python train.py")
     return t
 
 
-async def _watch(stack: object, url: str, live: bool, refresh_s: float) -> None:
+async def _watch(stack: LocalStack, url: str, live: bool, refresh_s: float) -> None:
     """Refresh the view every ``refresh_s`` until SIGINT/SIGTERM; respawn exited services."""
     from phalanx.jobstatus import list_jobs
-    from phalanx.localstack import LocalStack
     from phalanx.service import ping
 
-    assert isinstance(stack, LocalStack)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -118,7 +117,7 @@ async def _watch(stack: object, url: str, live: bool, refresh_s: float) -> None:
                 keys = list(stack.procs)
                 replies = dict(zip(keys, await asyncio.gather(*(health(k) for k in keys)), strict=True))
                 try:
-                    jobs: list[object] = list(await list_jobs(bus))
+                    jobs = await list_jobs(bus)
                 except Exception:
                     jobs = []
                 if view is not None:
