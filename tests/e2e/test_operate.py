@@ -24,6 +24,7 @@ import pytest
 
 from examples.train_gpt import SMALL
 from phalanx.natsserver import free_port
+from tests.procs import alive, descendants
 
 pytestmark = pytest.mark.slow
 
@@ -33,33 +34,6 @@ PHALANX = [sys.executable, "-m", "phalanx.cli"]
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    out, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, pp in parents.items() if pp == p]
-        out += kids
-        frontier += kids
-    return out
 
 
 def _until(what: str, check: Any, timeout_s: float = 90.0) -> Any:
@@ -171,12 +145,12 @@ def test_up_run_status_through_a_recovery_then_sigterm_stops_everything(
 
     # SIGTERM to `phalanx up`: it stops NATS and the services, exits 0, leaves nothing.
     port = int(url.rsplit(":", 1)[1])
-    started = _children(proc.pid)
+    started = list(descendants(proc.pid))
     assert started, "phalanx up has no child processes?"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     assert not _port_open(port), "the nats-server outlived `phalanx up`"
-    assert not [p for p in started if _pid_alive(p)], "processes `phalanx up` started outlived it"
+    assert not [p for p in started if alive(p)], "processes `phalanx up` started outlived it"
     logs = "".join(p.read_text() for p in work.glob("*.log"))
     assert "service_stopped" in logs
     assert "nats_disconnected" not in logs and "nats_error" not in logs
@@ -217,7 +191,7 @@ def test_phalanx_run_without_nats_url_uses_a_private_control_plane(corpus: Path,
             if (
                 entry.name.isdigit()
                 and Path(os.readlink(entry / "cwd")) == tmp_path
-                and _pid_alive(int(entry.name))
+                and alive(int(entry.name))
             ):
                 left.append((entry.name, (entry / "cmdline").read_bytes()[:80]))
     assert not left, f"outlived `phalanx run`: {left}"

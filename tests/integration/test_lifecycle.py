@@ -18,37 +18,7 @@ import pytest
 import structlog
 
 from phalanx.bus import Bus
-
-
-def _descendants(pid: int) -> dict[int, bytes]:
-    """pid -> command line of every descendant of ``pid`` (from /proc)."""
-    parents: dict[int, int] = {}
-    cmdlines: dict[int, bytes] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-    out: dict[int, bytes] = {}
-    frontier = [pid]
-    while frontier:
-        p = frontier.pop()
-        for c, pp in parents.items():
-            if pp == p:
-                out[c] = cmdlines.get(c, b"")
-                frontier.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+from tests.procs import alive, descendants
 
 
 @pytest.mark.slow
@@ -75,7 +45,7 @@ def test_a_benchmark_stopped_by_a_signal_stops_its_nats_server_and_workers(sig: 
         deadline = time.monotonic() + 90
         started: dict[int, bytes] = {}
         while time.monotonic() < deadline:
-            started = _descendants(bench.pid)
+            started = descendants(bench.pid)
             if any(b"nats-server" in c for c in started.values()) and len(started) >= 3:
                 break
             assert bench.poll() is None, (tmp_path / "bench.err").read_text()[-2000:]
@@ -83,10 +53,10 @@ def test_a_benchmark_stopped_by_a_signal_stops_its_nats_server_and_workers(sig: 
         servers = [p for p, c in started.items() if b"nats-server" in c]
         assert servers, f"the benchmark started no nats-server: {started}"
         time.sleep(1.0)  # well into its run
-        started = _descendants(bench.pid)
+        started = descendants(bench.pid)
         bench.send_signal(sig)
         bench.wait(60)
-        left = [(p, started[p][:80]) for p in started if _alive(p)]
+        left = [(p, started[p][:80]) for p in started if alive(p)]
         assert not left, f"left running after the benchmark got signal {sig}: {left}"
     finally:
         if bench.poll() is None:
