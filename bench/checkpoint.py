@@ -20,6 +20,11 @@ cores would take it.
   object storage, each right after a plain shared-memory copy in the same
   conditions (``shm_copy_interleaved_s``); ``durable_lag_s``: save called ->
   complete in object storage.
+- ``digest_s``: SHA-256 per 64 MiB chunk of the whole state (what the keeper computes
+  in ``take``, on its own core, after ``save`` returned; the manifest's digests that
+  every copy is checked against), next to ``crc32_s`` (the CRC32 it replaced) and
+  ``blake2b_s``, each timed here on the loop's core, one pass; ``take_s``: the
+  keeper's whole take (digest and catalog write), from its ``complete`` events.
 - ``drain_overhead_pct``: mean step time of a fixed compute step while the drains
   run (replica to n2, disk, shared path, object store) against before the first save.
 - ``restore_memory_s`` (n1, which holds it), ``restore_peer_s`` (n3, fetching from
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -43,6 +49,8 @@ import sys
 import tempfile
 import time
 import uuid
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +67,7 @@ from bench.checkpoint_baselines import (
 from phalanx.bus import Bus
 from phalanx.bus.subjects import CHECKPOINT
 from phalanx.checkpoint import Checkpointer
+from phalanx.checkpoint.manifest import CHUNK, digest_chunks
 from phalanx.localstack import LocalStack
 from phalanx.s3server import S3Server
 from phalanx.schemas import CheckpointEvent, decode
@@ -114,6 +123,31 @@ class Events:
             if (e.step, e.tier, e.state) == (step, tier, "complete"):
                 return t
         return None
+
+
+def hash_s(state: dict[str, torch.Tensor], fn: Callable[[memoryview], object]) -> float:
+    """Seconds for ``fn`` over every ``CHUNK`` of every tensor of ``state``."""
+    t0 = time.perf_counter()
+    for t in state.values():
+        view = t.contiguous().view(torch.uint8).numpy().data.cast("B")
+        for i in range(0, len(view), CHUNK):
+            fn(view[i : i + CHUNK])
+    return time.perf_counter() - t0
+
+
+def digest_costs(state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """``digest_s`` (the manifest's SHA-256, as the keeper computes it), ``crc32_s`` and
+    ``blake2b_s`` over the whole state, scaled to 1 GiB."""
+    per_gib = (1 << 30) / state_bytes(state)
+    digest = time.perf_counter()
+    for t in state.values():
+        digest_chunks(t.contiguous().view(torch.uint8).numpy().data.cast("B"))
+    digest = time.perf_counter() - digest
+    return {
+        "digest_s": round(digest * per_gib, 4),
+        "crc32_s": round(hash_s(state, zlib.crc32) * per_gib, 4),
+        "blake2b_s": round(hash_s(state, lambda b: hashlib.blake2b(b, digest_size=32).digest()) * per_gib, 4),
+    }
 
 
 def restore_into(ckpt: Checkpointer, into: dict[str, torch.Tensor]) -> tuple[float, str, int]:
@@ -173,6 +207,9 @@ async def tiered(
             assert done is not None
             lag.append(done - t0)
         out["blocking_save_s"] = tails(blocking)
+        out["take_s"] = tails(
+            [e.seconds for _, e in events.seen if (e.tier, e.state, e.node) == ("memory", "complete", "n1")]
+        )
         out["shm_copy_interleaved_s"] = tails(plain)
         out["durable_lag_s"] = tails(lag)
         out["step_ms"] = {
@@ -251,6 +288,7 @@ def run(args: argparse.Namespace, state: dict[str, torch.Tensor], work: Path) ->
     result: dict[str, Any] = {"bench": "checkpoint", "state_bytes": nbytes}
     shm = shm_copy_s(state, repeats=5)
     result["shm_copy_s"] = tails(shm)
+    digests = digest_costs(state)  # per GiB; the keeper's work, not the loop's
     dcp_runs = dcp_async_blocked_s(state, str(work), repeats=3)
     skipped = dcp_runs.pop("skipped")
     # Blocked = until the caller may change the state again: the call itself, and with
@@ -268,7 +306,10 @@ def run(args: argparse.Namespace, state: dict[str, torch.Tensor], work: Path) ->
         assert s3.proc is not None
         pin(s3.proc.pid, SYSTEM_CPU)
         s3.create_bucket("tiers")
-        result.update(asyncio.run(tiered(args, state, s3, work)))
+        for key, value in asyncio.run(tiered(args, state, s3, work)).items():
+            result[key] = value
+            if key == "blocking_save_s":
+                result.update(digests)  # printed next to it
     if not args.skip_direct:
         with S3Server() as s3:  # a fresh one: moto keeps what it was sent in memory
             assert s3.proc is not None

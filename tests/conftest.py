@@ -15,6 +15,7 @@ Tests that need an object store use ``s3_server``: one moto S3 server per sessio
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -79,6 +80,15 @@ def _shm_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("PHALANX_SHM_ROOT", str(path))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _keeper_key(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The keepers' cluster key (phalanx.checkpoint.peerauth): every keeper refuses to start
+    without one; a test's keepers (in this process or its children) share this one."""
+    key = secrets.token_urlsafe(32)
+    monkeypatch.setenv("PHALANX_KEEPER_KEY", key)
+    return key
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,23 @@ refused at start):
   ``s3://bucket[/prefix]`` (with the usual ``AWS_*`` variables);
 - ``PHALANX_CKPT_KEEP_MEMORY`` / ``_DISK`` / ``_SHARED`` / ``_OBJECT``: retention,
   ``N`` or ``last=N,every=M`` (defaults 2, 5, 5, 3);
-- ``PHALANX_CKPT_FSYNC`` (1): fsync each file written to disk and shared tiers.
+- ``PHALANX_CKPT_FSYNC`` (1): fsync each file written to disk and shared tiers;
+- ``PHALANX_KEEPER_KEY`` or ``PHALANX_KEEPER_KEY_FILE`` (required, >= 32 bytes, the
+  same on every node): the key keepers prove to each other before any replicate or
+  fetch (:mod:`phalanx.checkpoint.peerauth`);
+- bounds on what a peer may hold: ``PHALANX_KEEPER_TIMEOUT_S`` (30, each read or
+  write), ``PHALANX_KEEPER_AUTH_TIMEOUT_S`` (5), ``PHALANX_KEEPER_MIN_RATE`` (8 MiB/s
+  on the whole transfer), ``PHALANX_KEEPER_MAX_CONNECTIONS`` (64) and
+  ``_PER_PEER`` (8), ``PHALANX_KEEPER_MAX_FILLS`` (2 copies received or restored at
+  once), ``PHALANX_CKPT_MAX_BYTES`` (64 GiB) and ``PHALANX_KEEPER_SHM_RESERVE_BYTES``
+  (256 MiB of shared memory a receive leaves free);
+- ``PHALANX_CKPT_JOB_UIDS`` (unset): ``job=uid,...``, the uid each job's ranks run as
+  on this node (a job not listed: the keeper's own uid). The keeper takes a job's
+  slots only from a directory and files that uid owns, accepts ``register`` only from
+  a process of that uid (``SO_PEERCRED``), and gives the copies it writes for the job
+  that group (the keeper is a member of each job's group, or root);
+- ``PHALANX_CKPT_RETRY_MAX_S`` (300): the longest wait between retries of a failed
+  tier write or catalog write (they start at 1 s and double).
 """
 
 from __future__ import annotations
@@ -39,8 +55,9 @@ from opentelemetry import trace
 from phalanx.bus import COMMANDS, EVENTS, Bus
 from phalanx.bus.subjects import PLAN, RECOVERED
 from phalanx.checkpoint.keeper import Keeper, KeeperConfig
-from phalanx.checkpoint.slots import node_name, shm_root
-from phalanx.checkpoint.tiers import RetentionPolicy, Tier
+from phalanx.checkpoint.peerauth import load_key
+from phalanx.checkpoint.slots import node_name, parse_job_uids, shm_root
+from phalanx.checkpoint.tiers import RetentionPolicy, RetryPolicy, Tier
 from phalanx.metrics import ReplicationMetrics
 from phalanx.schemas import Message, Plan, RecoveryDone
 from phalanx.service import Service
@@ -48,7 +65,8 @@ from phalanx.settings import get_settings
 
 
 def keeper_config(node: str) -> KeeperConfig:
-    """The keeper's configuration from the settings (``PHALANX_CKPT_*``, ``PHALANX_KEEPER_*``)."""
+    """The keeper's configuration from the settings (``PHALANX_CKPT_*``, ``PHALANX_KEEPER_*``);
+    :class:`~phalanx.settings.SettingsError` without a keeper key."""
     settings = get_settings()
     cfg = KeeperConfig(
         node=node,
@@ -60,6 +78,17 @@ def keeper_config(node: str) -> KeeperConfig:
         port=settings.keeper_port,
         replicas=settings.ckpt_replicas,
         fsync=settings.ckpt_fsync,
+        key=load_key(settings),
+        auth_timeout_s=settings.keeper_auth_timeout_s,
+        io_timeout_s=settings.keeper_timeout_s,
+        min_rate=settings.keeper_min_rate,
+        max_bytes=settings.ckpt_max_bytes,
+        shm_reserve_bytes=settings.keeper_shm_reserve_bytes,
+        max_connections=settings.keeper_max_connections,
+        max_connections_per_peer=settings.keeper_max_connections_per_peer,
+        max_fills=settings.keeper_max_fills,
+        job_uids=parse_job_uids(settings.ckpt_job_uids or ""),
+        retry=RetryPolicy(max_s=settings.ckpt_retry_max_s),
     )
     for tier in Tier:
         retention = getattr(settings, f"ckpt_keep_{tier.name.lower()}")

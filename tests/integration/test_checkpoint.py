@@ -8,6 +8,7 @@ What a killed keeper process leaves behind is in tests/e2e/test_checkpoint_e2e.p
 from __future__ import annotations
 
 import asyncio
+import secrets
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,7 @@ from phalanx.s3server import S3Server
 from phalanx.schemas import CheckpointEvent, decode
 
 JOB = "ckj"
+KEY = secrets.token_bytes(32)  # the cluster's keeper key (phalanx.checkpoint.peerauth)
 
 
 def state_at(step: int, mib: int = 3) -> dict[str, Any]:
@@ -69,6 +71,7 @@ class Cluster:
             "object_url": self.object_url,
             "fsync": False,
             "scan_s": 0.01,
+            "key": KEY,
             **overrides,
         }
         cfg = KeeperConfig(node=node, shm_root=self.shm, **settings)

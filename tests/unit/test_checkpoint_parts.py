@@ -3,6 +3,7 @@ the keeper's configuration and its wire frames. Bad input: a clear error, no cha
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import struct
@@ -15,11 +16,14 @@ import pytest
 import torch
 from phalanx.services.state_replication.service import keeper_config
 
-from phalanx.checkpoint.manifest import Manifest, ManifestError, crc_chunks
+from phalanx.checkpoint.manifest import Manifest, ManifestError, digest_chunks
 from phalanx.checkpoint.slots import SlotFile, SlotsBusy, SlotState, SnapshotSlots
 from phalanx.checkpoint.tiers import DirTier, RetentionPolicy, Tier
 from phalanx.checkpoint.wire import MAX_FRAME, WireError, _decode, encode_frame
 from phalanx.runtime.state import Packing, unpack
+from phalanx.settings import SettingsError
+
+D0 = "0" * 64  # a well-formed digest
 
 
 def manifest(**change: object) -> bytes:
@@ -32,7 +36,8 @@ def manifest(**change: object) -> bytes:
 def test_a_manifest_round_trips_and_verifies_its_data() -> None:
     m = Manifest.parse(manifest())
     assert (m.job, m.step, m.origin, m.total_bytes) == ("j1", 7, "n1", 100)
-    assert m.file("state.phx").crc32 == crc_chunks(b"x" * 100, 64)
+    assert m.file("state.phx").sha256 == digest_chunks(b"x" * 100, 64)
+    assert m.version == 2 and len(m.file("state.phx").sha256) == 2  # one SHA-256 per chunk
     m.verify_file("state.phx", b"x" * 100)
 
 
@@ -40,13 +45,19 @@ def test_a_manifest_round_trips_and_verifies_its_data() -> None:
     ("raw", "message"),
     [
         (b"{not json", "not a valid manifest"),
-        (manifest(version=2), "version"),
+        (
+            manifest(version=1),
+            "a version-1 manifest .CRC32 checksums, which anyone can forge. cannot be verified",
+        ),
+        (manifest(version=3), "version"),
         (manifest(step=-1), "step"),
         (manifest(job="a b"), "job"),
         (manifest(files=[]), "files"),
-        (manifest(files=[{"name": "../etc/passwd", "size": 1, "crc32": [0]}]), "unsafe file name"),
-        (manifest(files=[{"name": "MANIFEST.json", "size": 1, "crc32": [0]}]), "may not be named"),
-        (manifest(files=[{"name": "a", "size": 100, "crc32": [0]}]), "has 1 checksums for 100 bytes"),
+        (manifest(files=[{"name": "../etc/passwd", "size": 1, "sha256": [D0]}]), "unsafe file name"),
+        (manifest(files=[{"name": "MANIFEST.json", "size": 1, "sha256": [D0]}]), "may not be named"),
+        (manifest(files=[{"name": "a", "size": 100, "sha256": [D0]}]), "has 1 digests for 100 bytes"),
+        (manifest(files=[{"name": "a", "size": 1, "crc32": [0]}]), "sha256"),
+        (manifest(files=[{"name": "a", "size": 1, "sha256": ["00"]}]), "not 64 lowercase hex digits"),
         (manifest(surprise=1), "surprise"),
     ],
 )
@@ -55,11 +66,23 @@ def test_a_bad_manifest_is_refused_saying_what_is_wrong(raw: bytes, message: str
         Manifest.parse(raw, "test")
 
 
+def test_the_digest_is_sha256_per_chunk_whatever_the_threads() -> None:
+    data = bytes(range(256)) * 1000  # 256000 bytes: 4 chunks of 64000
+    want = [hashlib.sha256(data[i : i + 64000]).hexdigest() for i in range(0, len(data), 64000)]
+    assert digest_chunks(data, 64000, threads=1) == want == digest_chunks(data, 64000, threads=4)
+    assert digest_chunks(b"", 64000) == [hashlib.sha256(b"").hexdigest()]
+    m = Manifest.of_buffers("j1", 1, "n1", {"a": data}, chunk=64000)
+    tampered = bytearray(data)
+    tampered[130000] ^= 1  # chunk 2
+    with pytest.raises(ManifestError, match=r"digest mismatch in chunk\(s\) \[2\] of 4"):
+        m.verify_file("a", bytes(tampered))
+
+
 def test_data_that_does_not_match_its_manifest_is_refused() -> None:
     m = Manifest.parse(manifest())
     with pytest.raises(ManifestError, match="99 bytes, the manifest says 100"):
         m.verify_file("state.phx", b"x" * 99)
-    with pytest.raises(ManifestError, match=r"checksum mismatch in chunk\(s\) \[1\]"):
+    with pytest.raises(ManifestError, match=r"digest mismatch in chunk\(s\) \[1\]"):
         m.verify_file("state.phx", b"x" * 64 + b"y" + b"x" * 35)
     with pytest.raises(ManifestError, match="has no file 'other'"):
         m.verify_file("other", b"")
@@ -88,7 +111,10 @@ def test_the_keeper_reads_its_tiers_from_the_environment(
     monkeypatch.setenv("PHALANX_CKPT_OBJECT", "s3://b/p")
     monkeypatch.setenv("PHALANX_CKPT_REPLICAS", "2")
     monkeypatch.setenv("PHALANX_CKPT_KEEP_OBJECT", "last=3,every=1000")
+    monkeypatch.setenv("PHALANX_KEEPER_KEY", "k" * 32)
+    monkeypatch.setenv("PHALANX_KEEPER_MAX_FILLS", "3")
     cfg = keeper_config("n1")
+    assert (cfg.key, cfg.max_fills) == (b"k" * 32, 3)
     assert (cfg.disk_root, cfg.shared_root, cfg.object_url, cfg.replicas) == (
         tmp_path / "d",
         None,
@@ -116,6 +142,32 @@ def test_a_bad_keeper_setting_is_refused_at_start(
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=message):
         keeper_config("n1")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({}, "a keeper needs the cluster's keeper key"),
+        ({"PHALANX_KEEPER_KEY": "short"}, "PHALANX_KEEPER_KEY has 5 bytes, needs at least 32"),
+        ({"PHALANX_KEEPER_KEY_FILE": "/nonexistent/key"}, "PHALANX_KEEPER_KEY_FILE='/nonexistent/key'"),
+        ({"PHALANX_KEEPER_KEY": "k" * 32, "PHALANX_KEEPER_KEY_FILE": "/k"}, "not both"),
+    ],
+)
+def test_a_keeper_without_a_good_key_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
+) -> None:
+    monkeypatch.delenv("PHALANX_KEEPER_KEY", raising=False)  # the suite's (tests/conftest.py)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SettingsError, match=message):
+        keeper_config("n1")
+
+
+def test_the_keeper_key_can_come_from_a_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "key").write_text("f" * 40 + "\n")
+    monkeypatch.delenv("PHALANX_KEEPER_KEY", raising=False)
+    monkeypatch.setenv("PHALANX_KEEPER_KEY_FILE", str(tmp_path / "key"))
+    assert keeper_config("n1").key == b"f" * 40
 
 
 # -- slots -------------------------------------------------------------------------------------

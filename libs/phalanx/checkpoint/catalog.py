@@ -74,6 +74,21 @@ class Catalog:
     async def put_manifest(self, m: Manifest) -> None:
         await self.kv.put(f"{m.job}.{step_key(m.step)}.manifest", m.encode())
 
+    async def manifest(self, job: str, step: int) -> Manifest | None:
+        """The manifest committed for ``job@step`` (None: none, deleted, or unreadable: logged)."""
+        key = f"{job}.{step_key(step)}.manifest"
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            return None
+        if not entry.value:
+            return None
+        try:
+            return Manifest.parse(entry.value, f"{CKPT_BUCKET}/{key}")
+        except ManifestError as exc:
+            log.warning("manifest_bad", key=key, error=str(exc))
+            return None
+
     async def record(
         self, job: str, step: int, tier: Tier, node: str, state: str, nbytes: int, addr: str = ""
     ) -> None:

@@ -23,8 +23,10 @@ not the keeper's node name (a Kubernetes pod per node: ``train-demo-0`` on node
 from __future__ import annotations
 
 import dataclasses
+import errno
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,19 +103,46 @@ class Checkpointer:
 
         Returns once the copy is in memory (it outlives this process, not the node);
         the keeper makes it durable. Returns None, and counts it in ``skipped``, when
-        the keeper still holds every slot: the training loop is never blocked on it.
+        the keeper still holds every slot, or the slot cannot be had (shared memory
+        full: ENOSPC, or any other OSError): the training loop is never blocked, nor
+        stopped, by it; the keeper is told and publishes a ``skipped`` CheckpointEvent.
         """
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        if self._slots is None:
-            self._slots = SnapshotSlots(self.root, self.node, self.job, self.worker, self.slot_count)
         packing = Packing.of(state, torch.device("cpu"))
         try:
+            if self._slots is None:
+                self._slots = SnapshotSlots(self.root, self.node, self.job, self.worker, self.slot_count)
             return self._slots.write(step, packing)
         except SlotsBusy as exc:
-            self.skipped += 1
-            self.log.warning("checkpoint_skipped", step=step, reason=str(exc))
-            return None
+            self._skip(step, str(exc))
+        except OSError as exc:
+            # A slot that could not grow is half set up: the next save opens them afresh.
+            self.close()
+            code = errno.errorcode.get(exc.errno or 0, "OSError")
+            self._skip(step, f"{code}: {exc.strerror or exc} (shared memory {self.root})")
+        return None
+
+    def _skip(self, step: int, reason: str) -> None:
+        """Count and log a skipped save, and tell the keeper (it publishes the event),
+        best effort and off this thread: a keeper that is down is not waited for."""
+        self.skipped += 1
+        self.log.warning("checkpoint_skipped", step=step, reason=reason)
+        request = {
+            "op": "skipped",
+            "job": self.job,
+            "step": step,
+            "worker": self.worker,
+            "reason": reason[:400],
+        }
+
+        def tell() -> None:
+            try:
+                wire.call(self.socket, request, 2.0)
+            except (OSError, wire.WireError) as exc:
+                self.log.warning("checkpoint_skip_unreported", step=step, error=str(exc))
+
+        threading.Thread(target=tell, name="checkpoint-skip", daemon=True).start()
 
     def reserve(self, state: Any) -> int:
         """Size every free slot for ``state`` and fault its pages in now, so that no later

@@ -24,22 +24,35 @@ A slot file::
     ...  the data
 
 A slot survives its rank (tmpfs outlives processes), not its node.
+
+Isolation: ``slots/`` is sticky and open to every uid (like ``/tmp``: a job
+creates its own directory there, nobody can rename or remove another's);
+``slots/<job>/`` is created by the job's first rank, mode 0770 (its uid and
+group: the keeper reaches it as a member of the job's group, or as root), and a
+rank refuses one that another uid owns. The keeper (:func:`scan`) takes a slot
+only from a job directory owned by the uid it expects for that job and not
+writable by everyone, only from a regular file (no symlink followed) owned by
+that same uid with one link: a file another job planted there, or a hard link
+to another job's slot, is refused. A slot file whose header is malformed is
+refused too (:class:`SlotError`) and left where it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from phalanx.checkpoint import paths
 from phalanx.settings import get_settings
 
 if TYPE_CHECKING:  # the keeper runs without torch; a rank has it
@@ -51,6 +64,11 @@ MAGIC = b"PHXSLOT1"
 _HEAD = struct.Struct("<8sIIQqQQd")
 _META_AT = 64
 _PAGE = 4096
+_JOB = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_SLOT = re.compile(r"^[A-Za-z0-9_.-]{1,128}\.slot$")
+SLOTS_MODE = 0o1777  # <node>/slots: sticky, every job may create its directory
+JOB_DIR_MODE = 0o770
+SLOT_MODE = 0o660
 
 
 class SlotState(IntEnum):
@@ -79,6 +97,26 @@ def slot_dir(shm_root: Path, node: str, job: str) -> Path:
     return shm_root / node / "slots" / job
 
 
+def parse_job_uids(text: str) -> dict[str, int]:
+    """``job=uid[,job=uid...]`` (``PHALANX_CKPT_JOB_UIDS``): the uid each job's ranks run
+    as on this node, which must own its directories; a ValueError saying what is wrong.
+
+    >>> parse_job_uids("sample=20001, eval=20002")
+    {'sample': 20001, 'eval': 20002}
+    """
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        job, sep, uid = part.partition("=")
+        if not sep or not _JOB.match(job.strip()) or not uid.strip().isdigit() or job.strip() in out:
+            raise ValueError(f"job uids {text!r}: expected 'job=uid[,job=uid...]', got {part!r}")
+        out[job.strip()] = int(uid)
+    return out
+
+
+class SlotError(ValueError):
+    """A slot file that is not a well-formed snapshot slot (refused, left in place)."""
+
+
 @dataclass(frozen=True)
 class SlotHeader:
     state: SlotState
@@ -93,17 +131,21 @@ class SlotHeader:
 class SlotFile:
     """One mapped slot file (either side)."""
 
-    def __init__(self, path: Path, create_bytes: int = 0) -> None:
+    def __init__(self, path: Path, create_bytes: int = 0, *, fd: int | None = None) -> None:
+        """``fd``: the file, already opened (the keeper opens it without following
+        symlinks and checks its owner first); it is this object's from now on."""
         self.path = path
-        flags = os.O_RDWR | (os.O_CREAT if create_bytes else 0)
-        self.fd = os.open(path, flags, 0o600)
+        if fd is None:
+            flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create_bytes else 0)
+            fd = os.open(path, flags, SLOT_MODE)
+        self.fd = fd
         size = os.fstat(self.fd).st_size
         if create_bytes and size < create_bytes:
             os.posix_fallocate(self.fd, 0, create_bytes)  # whole pages now, not one fault at a time
             size = create_bytes
         if size < _PAGE:
             os.close(self.fd)
-            raise ValueError(f"{path}: {size} bytes is not a snapshot slot")
+            raise SlotError(f"{path}: {size} bytes is not a snapshot slot")
         self.map = mmap.mmap(self.fd, size)
         self._view: torch.Tensor | None = None
 
@@ -112,11 +154,25 @@ class SlotFile:
         return len(self.map)
 
     def header(self) -> SlotHeader:
+        """The header; :class:`SlotError` if it is malformed (a state, a step or a layout
+        no rank writes)."""
         magic, state, meta_len, seq, step, off, n, at = _HEAD.unpack_from(self.map, 0)
         if magic != MAGIC:
             return SlotHeader(SlotState.FREE, 0, -1, b"", 0, 0, 0.0)  # never written
-        meta = bytes(self.map[_META_AT : _META_AT + meta_len]) if meta_len < off else b""
+        if state not in SlotState._value2member_map_:
+            raise SlotError(f"{self.path}: state {state} is not a slot state")
+        if state in (SlotState.READY, SlotState.HELD):
+            if step < 0 or off % _PAGE or off < _page_up(_META_AT + meta_len) or off + n > len(self.map):
+                raise SlotError(
+                    f"{self.path}: bad layout (step {step}, metadata {meta_len} bytes, data {n} bytes"
+                    f" at {off}, file {len(self.map)} bytes)"
+                )
+        meta = bytes(self.map[_META_AT : _META_AT + meta_len]) if _META_AT + meta_len <= off else b""
         return SlotHeader(SlotState(state), seq, step, meta, off, n, at)
+
+    def raw_seq(self) -> int:
+        """The sequence number, whatever the rest of the header says."""
+        return int(struct.unpack_from("<Q", self.map, 16)[0]) if self.map[:8] == MAGIC else 0
 
     def set_state(self, state: SlotState) -> None:
         struct.pack_into("<I", self.map, 8, int(state))
@@ -126,8 +182,13 @@ class SlotFile:
 
     def grow(self, size: int) -> None:
         self._view = None
+        old = len(self.map)
         self.map.close()
-        os.posix_fallocate(self.fd, 0, size)
+        try:
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError:  # ENOSPC: still the slot it was (H1)
+            self.map = mmap.mmap(self.fd, old)
+            raise
         self.map = mmap.mmap(self.fd, size)
 
     def tensor(self) -> torch.Tensor:
@@ -173,14 +234,36 @@ class SnapshotSlots:
         if count < 1:
             raise ValueError("need at least one snapshot slot")
         self.dir = slot_dir(shm_root, node, job)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir_fd = own_job_dir(shm_root / node, "slots", job)
         self.worker, self.count = worker, count
         self.files: dict[int, SlotFile] = {}
+
+    def _name(self, i: int) -> str:
+        return f"{self.worker}.{i}.slot"
 
     def _slot(self, i: int, need: int) -> SlotFile:
         f = self.files.get(i)
         if f is None:
-            f = self.files[i] = SlotFile(self.dir / f"{self.worker}.{i}.slot", create_bytes=need)
+            fd = os.open(
+                self._name(i),
+                os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                SLOT_MODE,
+                dir_fd=self.dir_fd,
+            )
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid() or st.st_nlink != 1:
+                os.close(fd)
+                raise PermissionError(f"{self.dir / self._name(i)} is not this process's own slot file")
+            os.fchmod(fd, SLOT_MODE)
+            if st.st_size < need:
+                try:
+                    os.posix_fallocate(fd, 0, need)  # whole pages now, not one fault at a time
+                except OSError:  # ENOSPC: no slot left behind that is not one (H1)
+                    os.close(fd)
+                    if st.st_size == 0:
+                        os.unlink(self._name(i), dir_fd=self.dir_fd)
+                    raise
+            f = self.files[i] = SlotFile(self.dir / self._name(i), fd=fd)
         if f.size < need:
             f.grow(need)
         return f
@@ -189,11 +272,16 @@ class SnapshotSlots:
         """A FREE slot (the least recently written), or None."""
         best: tuple[int, int] | None = None
         for i in range(self.count):
-            path = self.dir / f"{self.worker}.{i}.slot"
-            if i not in self.files and not path.exists():
-                return i
+            if i not in self.files:
+                try:
+                    os.stat(self._name(i), dir_fd=self.dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    return i
             f = self.files.get(i) or self._slot(i, 0)
-            h = f.header()
+            try:
+                h = f.header()
+            except SlotError:  # this rank's own slot, damaged: rewritten like a half-written one
+                h = SlotHeader(SlotState.WRITING, f.raw_seq(), -1, b"", 0, 0, 0.0)
             if h.state in (SlotState.FREE, SlotState.WRITING) and (best is None or h.seq < best[1]):
                 best = (i, h.seq)  # WRITING: this rank died mid-write before; nobody else writes it
         return None if best is None else best[0]
@@ -204,8 +292,9 @@ class SnapshotSlots:
         done = 0
         for i in range(self.count):
             f = self._slot(i, _PAGE)
-            if f.header().state is not SlotState.FREE:
-                continue
+            with contextlib.suppress(SlotError):
+                if f.header().state is not SlotState.FREE:
+                    continue
             f = self._slot(i, need)
             f.tensor()[_PAGE:].fill_(0)  # faults every page in (the header page is in already)
             done += 1
@@ -223,10 +312,10 @@ class SnapshotSlots:
             raise SlotsBusy(f"all {self.count} snapshot slots of {self.worker} in {self.dir} are held")
         off = _page_up(_META_AT + len(packing.meta))
         f = self._slot(i, off + _page_up(max(packing.size, 1)))
-        old = f.header()
-        if old.seq:
+        old_seq = f.raw_seq()
+        if old_seq:
             f.set_state(SlotState.WRITING)
-        seq = old.seq + 1
+        seq = old_seq + 1
         packing.copy_into(f.tensor()[off : off + packing.size])
         f.map[_META_AT : _META_AT + len(packing.meta)] = packing.meta
         _HEAD.pack_into(
@@ -239,16 +328,102 @@ class SnapshotSlots:
         for f in self.files.values():
             f.close()
         self.files.clear()
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
 
 
-def scan(shm_root: Path, node: str) -> Iterator[tuple[str, SlotFile]]:
-    """Every slot file on ``node``, opened: (job, slot). The caller closes each (or keeps it)."""
+def own_job_dir(node_dir: Path, kind: str, job: str) -> int:
+    """A descriptor of ``<node_dir>/<kind>/<job>`` for a rank of ``job``: created (mode
+    0770) if missing, refused (PermissionError) if another uid owns it or everyone may
+    write it -- a directory some other job made under this job's name."""
+    if not _JOB.match(job):
+        raise ValueError(f"{job!r} is not a job name (1-64 of letters, digits, '_', '-')")
+    node_dir.parent.mkdir(parents=True, exist_ok=True)  # the configured root: trusted
+    with paths.dir_at(node_dir.parent, node_dir.name, create=0o755) as node_fd:
+        try:
+            os.mkdir(kind, SLOTS_MODE, dir_fd=node_fd)
+            with paths.dir_at(node_fd, kind) as kind_fd:
+                os.fchmod(kind_fd, SLOTS_MODE)  # the first comes before the keeper: open it to every job
+        except FileExistsError:
+            pass
+        fd = paths.open_dir(node_fd, kind, job, create=JOB_DIR_MODE)
+    try:
+        paths.check_owned(fd, os.geteuid(), str(node_dir / kind / job))
+    except PermissionError:
+        os.close(fd)
+        raise
+    return fd
+
+
+@dataclass
+class Scan:
+    """What :func:`scan` found: the slots it may take, and what it refused (path, why)."""
+
+    slots: list[tuple[str, SlotFile]]
+    refused: list[tuple[Path, str]]
+
+
+def scan(shm_root: Path, node: str, owner: Callable[[str], int]) -> Scan:
+    """Every slot file on ``node`` the keeper may take, opened: (job, slot); the caller
+    closes each (or keeps it). ``owner(job)``: the uid that must own the job's slot
+    directory and every slot file in it. Nothing is followed through a symlink;
+    whatever is refused is listed with the reason and left in place."""
+    out = Scan([], [])
     base = shm_root / node / "slots"
-    if not base.is_dir():
-        return
-    for d in sorted(base.iterdir()):
-        for path in sorted(d.glob("*.slot")) if d.is_dir() else []:
+    try:
+        slots_fd = paths.open_dir(shm_root, node, "slots")
+    except FileNotFoundError:
+        return out
+    except OSError as exc:
+        out.refused.append((base, f"not a directory of this keeper: {exc}"))
+        return out
+    try:
+        for job in sorted(os.listdir(slots_fd)):
+            where = base / job
+            if not _JOB.match(job):
+                out.refused.append((where, "not a job name"))
+                continue
             try:
-                yield d.name, SlotFile(path)
-            except (OSError, ValueError):
-                continue  # gone, or not a slot
+                job_fd = paths.open_dir(slots_fd, job)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                out.refused.append((where, f"not a directory (a symlink?): {exc.strerror}"))
+                continue
+            try:
+                uid = paths.check_owned(job_fd, owner(job), str(where)).st_uid
+                out.slots.extend((job, f) for f in _slots_in(job_fd, where, uid, out.refused))
+            except PermissionError as exc:
+                out.refused.append((where, str(exc.strerror or exc)))
+            finally:
+                os.close(job_fd)
+    finally:
+        os.close(slots_fd)
+    return out
+
+
+def _slots_in(job_fd: int, where: Path, uid: int, refused: list[tuple[Path, str]]) -> Iterator[SlotFile]:
+    for name in sorted(os.listdir(job_fd)):
+        path = where / name
+        if not _SLOT.match(name):
+            if name.endswith(".slot"):
+                refused.append((path, "not a slot file name (letters, digits, '_.-')"))
+            continue
+        try:
+            fd = paths.open_file(job_fd, name, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            refused.append((path, f"not a regular file (a symlink?): {exc.strerror or exc}"))
+            continue
+        st = os.fstat(fd)
+        if st.st_uid != uid or st.st_nlink != 1:
+            os.close(fd)
+            why = f"owned by uid {st.st_uid}, its job directory by uid {uid}" if st.st_uid != uid else ""
+            refused.append((path, why or f"{st.st_nlink} links to it (a hard link to another slot?)"))
+            continue
+        try:
+            yield SlotFile(path, fd=fd)
+        except (OSError, SlotError) as exc:
+            refused.append((path, str(exc)))

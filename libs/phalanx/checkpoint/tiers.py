@@ -8,7 +8,8 @@ manifest is there: :class:`DirTier` writes a copy into a hidden ``.partial-*``
 directory and renames it into place after the manifest; :class:`ObjectTier`
 puts the manifest object after every data object and deletes it first. A copy
 without a manifest is never listed; one whose manifest is bad is reported and
-skipped.
+skipped. A restore reads a copy with ``read_into``, straight into the buffer it
+fills (an object in ranges of ``part_bytes``: never a whole object in RAM).
 
 Both classes are blocking: the keeper calls them in worker threads.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
+from phalanx.checkpoint import paths
 from phalanx.checkpoint.manifest import MANIFEST_NAME, Manifest, ManifestError
 from phalanx.telemetry import get_logger
 
@@ -91,6 +93,28 @@ class RetentionPolicy:
         return [s for s in ordered if s not in keep]
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How the keeper retries what failed (a tier's write, a catalog write): after
+    ``first_s``, then ``factor`` times longer each time, at most ``max_s`` apart, at
+    most ``attempts`` times (0: until it works).
+
+    >>> [RetryPolicy(1, 2, 5).delay(a) for a in range(5)]
+    [1.0, 2.0, 4.0, 5.0, 5.0]
+    """
+
+    first_s: float = 1.0
+    factor: float = 2.0
+    max_s: float = 300.0
+    attempts: int = 0
+
+    def delay(self, attempt: int) -> float:
+        return float(min(self.max_s, self.first_s * self.factor ** min(attempt, 64)))
+
+    def gives_up(self, attempt: int) -> bool:
+        return bool(self.attempts) and attempt >= self.attempts
+
+
 class Store(Protocol):
     """A durable tier: where the keeper drains to and reads back from."""
 
@@ -99,7 +123,7 @@ class Store(Protocol):
 
     def put(self, manifest: Manifest, read: ReadFile) -> None: ...
     def manifests(self, job: str) -> list[Manifest]: ...
-    def read(self, manifest: Manifest, name: str) -> memoryview: ...
+    def read_into(self, manifest: Manifest, name: str, into: memoryview, at: int = 0) -> None: ...
     def delete(self, job: str, step: int) -> None: ...
     def damage(self, manifest: Manifest) -> list[str]: ...
 
@@ -190,6 +214,21 @@ class DirTier:
                 return memoryview(b"")
             return memoryview(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ))
 
+    def read_into(self, manifest: Manifest, name: str, into: memoryview, at: int = 0) -> None:
+        """Bytes ``at`` to ``at + len(into)`` of file ``name`` of this copy, into ``into``."""
+        entry = manifest.file(name)
+        path = self.path(manifest.job, manifest.step) / name
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != entry.size or at + len(into) > size:
+                raise ManifestError(f"{path}: {size} bytes, the manifest says {entry.size}")
+            done = 0
+            while done < len(into):
+                n = os.preadv(f.fileno(), [into[done:]], at + done)
+                if n <= 0:
+                    raise ManifestError(f"{path}: short read at {at + done}")
+                done += n
+
     def damage(self, manifest: Manifest) -> list[str]:
         """Files of this copy that are missing, short or fail their checksums."""
         bad = []
@@ -206,9 +245,11 @@ class DirTier:
             self._remove(final)
 
     def _remove(self, d: Path) -> None:
-        gone = d.parent / f".deleting-{d.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(d, gone)  # unlisted at once: no manifest under a visible name
-        shutil.rmtree(gone, ignore_errors=True)
+        gone = f".deleting-{d.name}-{uuid.uuid4().hex[:8]}"
+        with paths.dir_at(self.root, d.parent.name) as job_fd:
+            paths.rename_at(job_fd, d.name, gone)  # unlisted at once: no manifest under a visible name
+            with contextlib.suppress(OSError):
+                paths.rmtree_at(job_fd, gone)
 
     def clean_partials(self, job: str) -> int:
         """Remove what an interrupted write or delete left; returns how many."""
@@ -217,7 +258,8 @@ class DirTier:
         if job_dir.is_dir():
             for d in job_dir.iterdir():
                 if d.name.startswith((".partial-", ".deleting-")):
-                    shutil.rmtree(d, ignore_errors=True)
+                    with contextlib.suppress(OSError):
+                        paths.rmtree_at(self.root, job, d.name)
                     n += 1
         return n
 
@@ -235,7 +277,8 @@ class ObjectTier:
 
     ``url`` is ``s3://bucket[/prefix]``; credentials, region and endpoint come from
     the usual ``AWS_*`` variables (``AWS_ENDPOINT_URL`` for a non-AWS server), or
-    ``endpoint``. Reads fetch each object once, whole (no ranged re-reads).
+    ``endpoint``. :meth:`read_into` fetches each object once, in ranges of
+    ``part_bytes`` written straight into the destination (``bytes_read`` counts them).
     """
 
     tier = Tier.OBJECT
@@ -295,19 +338,42 @@ class ObjectTier:
                 out.append(m)
         return out
 
-    def read(self, manifest: Manifest, name: str) -> memoryview:
+    def read_into(self, manifest: Manifest, name: str, into: memoryview, at: int = 0) -> None:
+        """Bytes ``at`` to ``at + len(into)`` of object ``name`` of this copy, into
+        ``into``, one ranged GET streamed in pieces: the object is never held whole in memory.
+        The object's size is checked against the manifest first (on the read at 0)."""
         import obstore
 
         entry = manifest.file(name)
-        data = obstore.get(self.store, self._key(manifest.job, manifest.step, name)).bytes()
-        view = memoryview(data)
-        self.bytes_read += len(view)
-        if len(view) != entry.size:
-            raise ManifestError(
-                f"{self.location}/{self._key(manifest.job, manifest.step, name)}: {len(view)} bytes,"
-                f" the manifest says {entry.size} (truncated object)"
-            )
-        return view
+        key = self._key(manifest.job, manifest.step, name)
+        if at == 0:
+            size = int(obstore.head(self.store, key)["size"])
+            if size != entry.size:
+                raise ManifestError(
+                    f"{self.location}/{key}: {size} bytes, the manifest says {entry.size}"
+                    f"{' (truncated object)' if size < entry.size else ''}"
+                )
+        if at + len(into) > entry.size:
+            raise ManifestError(f"{self.location}/{key}: a read past the manifest's {entry.size} bytes")
+        # One ranged GET, streamed into place in pieces of about ``part_bytes``.
+        got = 0
+        if len(into):
+            result = obstore.get(self.store, key, options={"range": (at, at + len(into))})
+            for piece in result.stream(min_chunk_size=self.part_bytes):
+                view = memoryview(piece)
+                if got + len(view) > len(into):
+                    raise ManifestError(f"{self.location}/{key}: a longer range than asked (object changed?)")
+                into[got : got + len(view)] = view
+                got += len(view)
+                self.bytes_read += len(view)
+        if got != len(into):
+            raise ManifestError(f"{self.location}/{key}: short read at {at + got} (object changed?)")
+
+    def read(self, manifest: Manifest, name: str) -> memoryview:
+        """Object ``name`` whole, in a buffer of its own (:meth:`read_into` without one)."""
+        into = memoryview(bytearray(manifest.file(name).size))
+        self.read_into(manifest, name, into)
+        return into
 
     def damage(self, manifest: Manifest) -> list[str]:
         bad = []

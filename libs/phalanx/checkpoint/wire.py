@@ -2,11 +2,18 @@
 
 Every message is a frame: a 4-byte big-endian length and a msgpack map, then,
 when the map says so, raw file bytes in the manifest's file order. Peers
+authenticate each other first (:mod:`phalanx.checkpoint.peerauth`), then
 replicate to each other (``replicate``: a manifest and its files, answered
-after the checksums are verified) and fetch from each other (``fetch``); a
+after the digests are verified) and fetch from each other (``fetch``); a
 rank asks its own keeper over the node's Unix socket (``list``, ``load``,
-``register``). A frame over :data:`MAX_FRAME` or that is not a map is refused
-before anything is allocated for it.
+``register``, ``skipped``). A frame over its bound (:data:`MAX_FRAME`, far
+less before authentication) or that is not a map is refused before anything
+is allocated for it.
+
+Every read from a peer is bounded in time: a frame by ``timeout_s``, file bytes
+by a :class:`Deadline` (a per-read timeout, and an end for the whole transfer
+computed from its size and a minimum rate), so a peer that stops sending, or
+trickles, is dropped.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -44,35 +53,72 @@ def encode_frame(obj: dict[str, Any]) -> bytes:
     return _LEN.pack(len(raw)) + raw
 
 
-async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Deadline:
+    """How long a transfer of bytes may take: each read at most ``read_s``, the whole
+    transfer until ``end`` (``time.monotonic()``)."""
+
+    read_s: float
+    end: float
+
+    @classmethod
+    def for_bytes(cls, nbytes: int, read_s: float, min_rate: float) -> Deadline:
+        """A transfer of ``nbytes`` at no less than ``min_rate`` bytes/s on the whole."""
+        return cls(read_s, time.monotonic() + read_s + nbytes / min_rate)
+
+    def next_s(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the transfer is slower than the minimum rate: dropped")
+        return min(self.read_s, left)
+
+
+async def read_frame(
+    reader: asyncio.StreamReader, *, timeout_s: float | None = None, max_bytes: int = MAX_FRAME
+) -> dict[str, Any]:
+    """One frame, within ``timeout_s`` (None: no bound)."""
+    if timeout_s is None:
+        return await _read_frame(reader, max_bytes)
+    try:
+        return await asyncio.wait_for(_read_frame(reader, max_bytes), timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"no whole frame within {timeout_s}s: dropped") from None
+
+
+async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> dict[str, Any]:
     try:
         (n,) = _LEN.unpack(await reader.readexactly(4))
     except asyncio.IncompleteReadError:
         raise WireError("connection closed before a frame") from None
-    if n > MAX_FRAME:
-        raise WireError(f"frame of {n} bytes announced, over {MAX_FRAME}")
+    if n > max_bytes:
+        raise WireError(f"frame of {n} bytes announced, over {max_bytes}")
     try:
         return _decode(await reader.readexactly(n))
     except asyncio.IncompleteReadError:
         raise WireError("connection closed inside a frame") from None
 
 
-async def write_frame(writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:
+async def write_frame(
+    writer: asyncio.StreamWriter, obj: dict[str, Any], timeout_s: float | None = None
+) -> None:
     writer.write(encode_frame(obj))
-    await writer.drain()
+    await asyncio.wait_for(writer.drain(), timeout_s)
 
 
-async def write_bytes(writer: asyncio.StreamWriter, data: memoryview) -> None:
+async def write_bytes(writer: asyncio.StreamWriter, data: memoryview, deadline: Deadline) -> None:
     for i in range(0, len(data), PIECE):
         writer.write(data[i : i + PIECE])
-        await writer.drain()
+        await asyncio.wait_for(writer.drain(), deadline.next_s())
 
 
-async def read_into(reader: asyncio.StreamReader, into: memoryview) -> None:
+async def read_into(reader: asyncio.StreamReader, into: memoryview, deadline: Deadline) -> None:
     """Fill ``into`` from the stream (the caller allocated it from a checked size)."""
     at = 0
     while at < len(into):
-        piece = await reader.read(min(PIECE, len(into) - at))
+        try:
+            piece = await asyncio.wait_for(reader.read(min(PIECE, len(into) - at)), deadline.next_s())
+        except TimeoutError:
+            raise TimeoutError(f"no bytes in time after {at} of {len(into)}: dropped") from None
         if not piece:
             raise WireError(f"connection closed after {at} of {len(into)} bytes")
         into[at : at + len(piece)] = piece
@@ -107,16 +153,6 @@ def recv_frame(s: socket.socket) -> dict[str, Any]:
     if n > MAX_FRAME:
         raise WireError(f"frame of {n} bytes announced, over {MAX_FRAME}")
     return _decode(_recv_exactly(s, n))
-
-
-def recv_into(s: socket.socket, into: memoryview) -> None:
-    """Fill ``into`` from a blocking socket, straight from the kernel (no buffer between)."""
-    at = 0
-    while at < len(into):
-        got = s.recv_into(into[at : at + PIECE])
-        if not got:
-            raise WireError(f"connection closed after {at} of {len(into)} bytes")
-        at += got
 
 
 def _recv_exactly(s: socket.socket, n: int) -> bytes:
