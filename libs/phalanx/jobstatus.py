@@ -177,7 +177,7 @@ async def job_view(bus: Bus, job: str, *, listen_s: float = 1.0, history: int = 
         ]
         done = [
             decode(m.data, m.headers, RecoveryDone)
-            for m in await _history(bus, RECOVERED.format(job=job), timeout_s=3.0)
+            for m in await _history(bus, RECOVERED.wildcard(job=job), timeout_s=3.0)
         ]
         await asyncio.sleep(max(0.0, listen_s))
     finally:

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -142,6 +143,13 @@ class LocalStack:
         self._spawned: dict[str, tuple[list[str], dict[str, str]]] = {}
         self.with_auth = auth
         self.auth: NatsAuth | None = None  # the users, once start() made them
+        # The keepers' cluster key (phalanx.checkpoint.peerauth): one per stack, given to
+        # state-replication processes only (unless the environment brings its own).
+        self.keeper_env = (
+            {}
+            if self.env.get("PHALANX_KEEPER_KEY") or self.env.get("PHALANX_KEEPER_KEY_FILE")
+            else {"PHALANX_KEEPER_KEY": secrets.token_urlsafe(32)}
+        )
 
     @property
     def url(self) -> str:
@@ -206,6 +214,7 @@ class LocalStack:
         full = {
             **self.env,
             **self.role_env(ROLE_OF_SERVICE[name]),
+            **(self.keeper_env if name == "state-replication" else {}),
             **self.service_env.get(name, {}),
             **(env or {}),
         }
@@ -314,7 +323,7 @@ class LocalStack:
             result.observe(decode(raw.data, raw.headers))
 
         for subject in (FAILED, HUNG, NODE_LOST, DECISION, PLAN, RECOVERED, EXITED, COMM_ERROR):
-            await bus.nc.subscribe(subject.format(job=job), cb=on_msg)
+            await bus.nc.subscribe(subject.wildcard(job=job), cb=on_msg)
 
     def wait_ended(self, job: str, timeout_s: float = 60.0) -> PlanDecision:
         """Block until the planner has ended ``job`` (its last decision is ``stop`` or

@@ -38,30 +38,48 @@ go to ``phalanx.err.<own service>``; ranks (named ``rank-<worker>``) may use any
 *any* job. A deployment renders, for each job ``J``, users scoped to it instead
 (:meth:`NatsAuth.with_job`, ``--job`` below):
 
-- ``launcher@J``: publishes ``phalanx.cmd.J.spec``, ``phalanx.evt.J.exited`` and
-  ``phalanx.node.J.*``; subscribes to ``phalanx.cmd.J.plan``,
-  ``phalanx.evt.J.decision``, ``phalanx.evt.J.joined``;
-- ``rank@J/<worker>``, one per worker: publishes heartbeats only as itself
-  (``phalanx.hb.J.<worker>``), the job's rank events (``phalanx.evt.J.registered``,
-  ``.ack``, ``.comm_error``, ``.recovered``) and errors only as
-  ``phalanx.err.rank-<worker>``; subscribes to ``phalanx.cmd.J.plan``. Without a
+- ``launcher@J/<node>``, one per node: publishes only as that node's launcher
+  (``phalanx.cmd.J.spec.<node>``, ``phalanx.evt.J.exited.<node>``,
+  ``phalanx.node.J.<node>``) and the job's step stats; subscribes to
+  ``phalanx.cmd.J.plan``, ``phalanx.evt.J.decision``, ``phalanx.evt.J.joined``.
+  Without nodes (a one-node job, workers ``w0``..) one ``launcher@J`` speaks for
+  any node of ``J``;
+- ``rank@J/<worker>``, one per worker: publishes only as itself: heartbeats
+  (``phalanx.hb.J.<worker>``), its events (``phalanx.evt.J.registered.<worker>``,
+  ``.ack.<worker>``, ``.comm_error.<worker>``, ``.recovered.<worker>``) and errors
+  (``phalanx.err.rank-<worker>``); subscribes to ``phalanx.cmd.J.plan``. Without a
   worker list one ``rank@J`` speaks for every worker of ``J``;
 - both read and watch the job's KV record ``phalanx_jobs`` / ``J.plan`` (the plan
   they follow) and nothing else of JetStream: no message gets and no consumers on
   the event, command, scheduler or error streams, no stream info but the bucket's.
 
-A job's users cannot publish or subscribe to another job's subjects; the server
-refuses it (and the sender's bus logs ``permission_denied``). What NATS cannot
-scope (the subject is in the request body, not in the API subject): ``kv.get`` on
-a bucket without direct gets (``$JS.API.STREAM.MSG.GET.KV_phalanx_jobs``) and the
-unnamed ordered consumer nats.py's ``kv.watch`` creates
-(``$JS.API.CONSUMER.CREATE.KV_phalanx_jobs``). Both are allowed on the bucket's
-stream only, so a job's users can *read* another job's record but never write it;
-and a consumer's deliver subject is not checked against its creator's publish
-permissions, so such a consumer can replay the bucket's own records onto a subject
-someone listens on -- records carry no ``Phalanx-Kind`` header, and every receiver
-refuses them as bad input. The scoped forms (a direct get, a consumer named with
-its filter) are allowed too, ready for a bucket with ``allow_direct``.
+A job's users cannot publish or subscribe to another job's subjects, nor a
+worker's or a node's user on another worker's or node's; the server refuses it
+(and the sender's bus logs ``permission_denied``). What a user may publish on is
+what it may claim: every receiver refuses a payload whose job, worker or node is
+not its subject's (:func:`phalanx.bus.subjects.sender_mismatch`), the detector and
+the planner take a process exit only from the launcher of the node that runs the
+worker (the planner's join answers say which), and the planner takes collective
+errors and acknowledgements only from members of the current generation.
+
+**A job's record is its own.** The record holds the plan, and the plan the
+generation's rendezvous secret (:attr:`phalanx.schemas.Plan.store_secret`), so a
+job's users may read it only by the requests whose API subject names the key:
+a direct get (``$JS.API.DIRECT.GET.KV_phalanx_jobs.$KV.phalanx_jobs.J.plan``; the
+bucket has ``allow_direct``, :func:`phalanx.bus.topology.ensure_bucket`) and a
+:class:`~phalanx.bus.keywatch.KeyWatch` consumer
+(``$JS.API.CONSUMER.CREATE.KV_phalanx_jobs.<name>.$KV.phalanx_jobs.J.plan``;
+nats-server refuses a body whose filter differs from the subject's). The unscoped
+forms nats.py uses otherwise (``$JS.API.STREAM.MSG.GET.KV_phalanx_jobs``, the
+unnamed consumer of ``kv.watch``), which carry the key in the body, are not
+allowed; nor are the command stream (plans are published there too) and the
+subjects ``phalanx.cmd.<J>.*`` to another job's users, who get no answer (a timeout).
+What stays visible to them: the bucket's stream info (which keys exist: job
+names). A consumer's deliver subject is not checked against its creator's
+publish permissions, so a job's user can replay its *own* record onto a subject
+someone listens on -- records carry no ``Phalanx-Kind`` header, and every
+receiver refuses them as bad input. Role-wide users (the services, ``policy``,
+``observer``, and ``rank``/``launcher`` without ``--job``) read every job's plans.
 
 **The local cluster.** The ``phalanx_cluster`` bucket (one record per cluster,
 :mod:`phalanx.cluster`) is written by ``admin`` alone: ``phalanx cluster offer`` /
@@ -76,6 +94,14 @@ Per worker is as strong as the separation between the processes: a rank running
 as the same OS user as its launcher can read the launcher's environment, which
 holds every local worker's password.
 
+**One account, with a JetStream quota.** The rendered config puts every user in the
+account ``PHALANX`` (:meth:`NatsAuth.accounts`), whose file-store quota is the sum of
+the streams' and buckets' ``max_bytes`` (:mod:`phalanx.bus.topology`) and which
+refuses a stream without ``max_bytes``: JetStream reserves each stream's
+``max_bytes`` at creation, so no stream can take another's space. The server's
+log names the account in a refusal (``"PHALANX/user:rank@J/w0" - Publish
+Violation``). Monitoring (``http_port``) is rendered on loopback only.
+
 Credentials travel in the environment, never in the URL (a URL is logged):
 ``PHALANX_NATS_USER`` and ``PHALANX_NATS_PASSWORD``. A launcher gets its own and
 hands each worker its own: ``PHALANX_NATS_WORKER_CREDENTIALS`` (JSON, worker ->
@@ -84,15 +110,16 @@ user and password; :func:`worker_credentials`), or ``PHALANX_NATS_RANK_USER`` /
 random per deployment (:meth:`NatsAuth.generate`); the rendered server config
 holds them, so it is written with mode 0600.
 
->>> auth = NatsAuth.generate(jobs={"demo": ["w0", "w1"]})
+>>> auth = NatsAuth.generate(jobs={"demo": ["node-a-w0", "node-a-w1", "node-b-w0", "node-b-w1"]})
 >>> auth.write_config("nats.conf", listen="0.0.0.0:4222", store_dir="/data")
 >>> auth.env("planner")
 {'PHALANX_NATS_USER': 'planner', 'PHALANX_NATS_PASSWORD': '...'}
->>> auth.launcher_env("demo")   # PHALANX_NATS_USER=launcher@demo, ..., PHALANX_NATS_WORKER_CREDENTIALS
+>>> auth.launcher_env("demo", "node-a")   # launcher@demo/node-a, and node-a-w0's and node-a-w1's logins
 
     python -m phalanx.natsauth write --config nats.conf --env-dir secrets/ \\
         --job demo:node-a-w0,node-a-w1,node-b-w0,node-b-w1
     python -m phalanx.natsauth show rank --job demo --worker node-a-w0
+    python -m phalanx.natsauth show launcher --job demo --node node-a
 """
 
 from __future__ import annotations
@@ -109,10 +136,21 @@ from pathlib import Path
 
 from phalanx.bus._connection import ENV_NATS_PASSWORD, ENV_NATS_USER, inbox_prefix
 from phalanx.bus.subjects import CATALOGUE, ERROR, HEALTH, Subject, Transport
-from phalanx.bus.topology import CKPT_BUCKET, CLUSTER_BUCKET, COMMANDS, EVENTS, JOBS_BUCKET, SCHED, STREAMS
+from phalanx.bus.topology import (
+    CKPT_BUCKET,
+    CLUSTER_BUCKET,
+    COMMANDS,
+    EVENTS,
+    JOBS_BUCKET,
+    SCHED,
+    STREAMS,
+    account_max_file,
+    stream_replicas,
+)
 from phalanx.proto import PARTIES
 
 JS_API = "$JS.API"
+ACCOUNT = "PHALANX"  # the account of every user (its JetStream quota: NatsAuth.accounts)
 KV_STREAM = f"KV_{JOBS_BUCKET}"
 KV_SUBJECTS = f"$KV.{JOBS_BUCKET}.>"
 CLUSTER_KV_STREAM = f"KV_{CLUSTER_BUCKET}"
@@ -130,6 +168,10 @@ POLICY = "policy"
 ENV_WORKER_CREDENTIALS = "PHALANX_NATS_WORKER_CREDENTIALS"
 ENV_RANK_USER = "PHALANX_NATS_RANK_USER"
 ENV_RANK_PASSWORD = "PHALANX_NATS_RANK_PASSWORD"
+# A file of KEY=value lines (launcher-<job>-<node>.env) that ``phalanx run`` loads
+# into its environment first: one node's logins, where a deployment can hand a pod
+# a file chosen by its index but not environment variables (Kubernetes Indexed Jobs).
+ENV_NATS_ENV_FILE = "PHALANX_NATS_ENV_FILE"
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a job or worker name (as subjects take them)
 
@@ -225,17 +267,36 @@ ROLE_OF_SERVICE: dict[str, str] = {r.service: r.name for r in ROLES.values() if 
 ROLE_OF_PARTY: dict[str, str] = {r.party: r.name for r in ROLES.values() if r.party}
 
 
-def user_name(role: str, job: str | None = None, worker: str | None = None) -> str:
-    """The NATS user of ``role`` (for ``job``, for its ``worker``).
+def user_name(role: str, job: str | None = None, worker: str | None = None, node: str | None = None) -> str:
+    """The NATS user of ``role`` (for ``job``, for its ``worker`` or, a launcher, its ``node``).
 
     One token, no dots: the user's inbox ``_INBOX.<user>.>`` is then never a prefix
-    of another user's. ``rank``, ``launcher@demo``, ``rank@demo/node-a-w0``.
+    of another user's. ``rank``, ``launcher@demo/node-a``, ``rank@demo/node-a-w0``.
     """
-    if worker is not None and job is None:
-        raise ValueError("a worker's user belongs to a job")
+    if (worker is not None or node is not None) and job is None:
+        raise ValueError("a worker's or node's user belongs to a job")
     if job is None:
         return role
-    return f"{role}@{job}" if worker is None else f"{role}@{job}/{worker}"
+    member = worker if role == RANK else node
+    return f"{role}@{job}" if member is None else f"{role}@{job}/{member}"
+
+
+_QUALIFIED = re.compile(r"^(?P<node>[A-Za-z0-9_-]+)-w\d+$")
+
+
+def worker_node(worker: str, nodes: Sequence[str] = ()) -> str | None:
+    """The node a worker of a multi-node job runs on, from its name ``<node>-w<i>``
+    (how ``phalanx run`` and the planner name them); with ``nodes``, one of those
+    (the longest that fits), else None (``w0``.. of a one-node job).
+
+    >>> worker_node("node-a-w3"), worker_node("w0"), worker_node("a-b-w0", ["a", "a-b"])
+    ('node-a', None, 'a-b')
+    """
+    if nodes:
+        fits = [n for n in nodes if worker.startswith(f"{n}-w") and worker[len(n) + 2 :].isdigit()]
+        return max(fits, key=len) if fits else None
+    m = _QUALIFIED.match(worker)
+    return m.group("node") if m else None
 
 
 @dataclass(frozen=True)
@@ -301,16 +362,14 @@ def _stream_consume(stream: str) -> list[str]:
 
 
 def _plan_follow(job: str) -> list[str]:
-    """Read and watch the record ``<job>.plan`` (``*``: every job's) of the jobs bucket."""
+    """Read and watch the record ``<job>.plan`` (``*``: every job's) of the jobs bucket,
+    only by the forms whose API subject names the key (the server checks the body
+    against it): a direct get, and a :class:`~phalanx.bus.keywatch.KeyWatch` consumer."""
     key = f"$KV.{JOBS_BUCKET}.{job}.plan"
     return [
         f"{JS_API}.STREAM.INFO.{KV_STREAM}",  # js.key_value(bucket)
-        f"{JS_API}.DIRECT.GET.{KV_STREAM}.{key}",  # kv.get, bucket with direct gets: scoped
-        f"{JS_API}.STREAM.MSG.GET.{KV_STREAM}",  # kv.get otherwise: the key is in the body
-        f"{JS_API}.CONSUMER.CREATE.{KV_STREAM}.*.{key}",  # a named watch consumer: scoped by its filter
-        f"{JS_API}.CONSUMER.CREATE.{KV_STREAM}",  # nats.py's kv.watch (unnamed): filter in the body
-        f"{JS_API}.CONSUMER.INFO.{KV_STREAM}.*",  # the watch reads its consumer's pending count
-        f"$JS.FC.{KV_STREAM}.>",  # flow control of the ordered consumer
+        f"{JS_API}.DIRECT.GET.{KV_STREAM}.{key}",  # kv.get (the bucket has direct gets)
+        f"{JS_API}.CONSUMER.CREATE.{KV_STREAM}.*.{key}",  # KeyWatch: a consumer named with its filter
     ]
 
 
@@ -320,12 +379,19 @@ def _check_name(what: str, value: str) -> None:
 
 
 def permissions(
-    role: str, user: str | None = None, *, job: str | None = None, worker: str | None = None
+    role: str,
+    user: str | None = None,
+    *,
+    job: str | None = None,
+    worker: str | None = None,
+    node: str | None = None,
 ) -> Permissions:
     """The NATS permissions of ``role`` (for the user named ``user``, default :func:`user_name`).
 
     ``job``: scoped to that job's subjects and record (roles with ``per_job``);
-    ``worker`` (ranks): heartbeats and errors only as that worker.
+    ``worker`` (ranks): heartbeats, registrations, acks, collective errors,
+    recoveries and errors only as that worker; ``node`` (launchers): job specs,
+    process exits and digests only as that node's launcher.
     """
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
@@ -338,10 +404,14 @@ def permissions(
         if role != RANK or job is None:
             raise ValueError("only a job's ranks have per-worker users")
         _check_name("worker", worker)
-    user = user or user_name(role, job, worker)
+    if node is not None:
+        if role != LAUNCHER or job is None:
+            raise ValueError("only a job's launchers have per-node users")
+        _check_name("node", node)
+    user = user or user_name(role, job, worker, node)
     if role == ADMIN:
         return Permissions(publish_allow=(">",), subscribe_allow=(">",))
-    own = {"job": job, "worker": worker, "service": r.service}
+    own = {"job": job, "worker": worker, "node": node, "service": r.service}
 
     def scoped(s: Subject) -> str:
         return s.wildcard(**{k: v for k, v in own.items() if v is not None and k in s.params})
@@ -412,15 +482,17 @@ class Credentials:
     role: str
     user: str
     password: str = field(repr=False)
-    job: str | None = None  # a job's user (launcher@J, rank@J, rank@J/<worker>)
+    job: str | None = None  # a job's user (launcher@J/<node>, rank@J/<worker>; launcher@J, rank@J)
     worker: str | None = None
+    node: str | None = None  # a launcher's node (its scope); a worker's node (whose launcher hands it over)
 
     def env(self) -> dict[str, str]:
         """The environment a process of this role connects with (``Bus.connect`` reads it)."""
         return {ENV_NATS_USER: self.user, ENV_NATS_PASSWORD: self.password}
 
     def permissions(self) -> Permissions:
-        return permissions(self.role, self.user, job=self.job, worker=self.worker)
+        node = self.node if self.role == LAUNCHER else None
+        return permissions(self.role, self.user, job=self.job, worker=self.worker, node=node)
 
 
 def worker_credentials(spec: str | None, worker: str) -> dict[str, str]:
@@ -442,6 +514,20 @@ def worker_credentials(spec: str | None, worker: str) -> dict[str, str]:
         raise ValueError(
             f"{ENV_WORKER_CREDENTIALS} is not a JSON object of worker -> {{user, password}}: {exc!r}"
         ) from None
+
+
+def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The ``KEY=value`` lines of ``path`` as :meth:`NatsAuth.write_env_files` writes
+    them (values taken as they are, no quoting; blank lines and ``#`` lines skipped)."""
+    out: dict[str, str] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ValueError(f"{path}:{n}: not a KEY=value line")
+        out[key] = value
+    return out
 
 
 def _conf_value(value: object, indent: int) -> str:
@@ -498,23 +584,43 @@ class NatsAuth:
             auth = auth.with_job(job, workers)
         return auth
 
-    def with_job(self, job: str, workers: Sequence[str] = ()) -> NatsAuth:
-        """These users plus ``job``'s: ``launcher@<job>``, and ``rank@<job>/<worker>`` for
-        each of ``workers`` (none given: one ``rank@<job>`` for all of them).
+    def with_job(self, job: str, workers: Sequence[str] = (), nodes: Sequence[str] = ()) -> NatsAuth:
+        """These users plus ``job``'s: ``launcher@<job>/<node>`` for each node, and
+        ``rank@<job>/<worker>`` for each of ``workers`` (none given: one ``rank@<job>``
+        for all of them).
 
         Workers are named as ``phalanx run`` names them: ``w0``.. on one node,
-        ``<node>-w0``.. when the job may span nodes (spares included).
+        ``<node>-w0``.. when the job may span nodes (spares included). ``nodes``
+        defaults to the nodes those names carry; a job without any (one node, or
+        no workers listed) gets one ``launcher@<job>``, which may speak for any
+        node of the job. A node's launcher is handed only its own workers' logins.
         """
         _check_name("job", job)
-        for w in workers:
-            _check_name("worker", w)
-        if len(set(workers)) != len(workers):
-            raise ValueError(f"job {job!r}: a worker is listed twice")
+        for name in (*workers, *nodes):
+            _check_name("worker or node", name)
+        if len(set(workers)) != len(workers) or len(set(nodes)) != len(nodes):
+            raise ValueError(f"job {job!r}: a worker or node is listed twice")
         if job in self.jobs:
             raise ValueError(f"job {job!r} already has users")
-        added = [Credentials(LAUNCHER, user_name(LAUNCHER, job), _password(), job)]
+        node_of = {w: worker_node(w, nodes) or (nodes[0] if len(nodes) == 1 else None) for w in workers}
+        if nodes and None in node_of.values():
+            lost = sorted(w for w, n in node_of.items() if n is None)
+            raise ValueError(
+                f"job {job!r}: workers {lost} are on none of the nodes {list(nodes)} (<node>-w<i>)"
+            )
+        if not nodes and workers and None not in node_of.values():
+            nodes = list(dict.fromkeys(n for n in node_of.values() if n is not None))
+        if not nodes:
+            node_of = dict.fromkeys(workers)  # one launcher for the job: it runs them all
+        added = [
+            Credentials(LAUNCHER, user_name(LAUNCHER, job, node=n), _password(), job, node=n) for n in nodes
+        ]
+        if not nodes:
+            added.append(Credentials(LAUNCHER, user_name(LAUNCHER, job), _password(), job))
         if workers:
-            added += [Credentials(RANK, user_name(RANK, job, w), _password(), job, w) for w in workers]
+            added += [
+                Credentials(RANK, user_name(RANK, job, w), _password(), job, w, node_of[w]) for w in workers
+            ]
         else:
             added.append(Credentials(RANK, user_name(RANK, job), _password(), job))
         return NatsAuth({**self.users, **{c.user: c for c in added}})
@@ -523,20 +629,33 @@ class NatsAuth:
     def jobs(self) -> list[str]:
         return list(dict.fromkeys(c.job for c in self.users.values() if c.job is not None))
 
-    def credentials(self, role: str, job: str | None = None, worker: str | None = None) -> Credentials:
+    def credentials(
+        self, role: str, job: str | None = None, worker: str | None = None, node: str | None = None
+    ) -> Credentials:
         try:
-            return self.users[user_name(role, job, worker)]
+            return self.users[user_name(role, job, worker, node)]
         except KeyError:
-            raise KeyError(f"no user {user_name(role, job, worker)!r} in this deployment") from None
+            raise KeyError(f"no user {user_name(role, job, worker, node)!r} in this deployment") from None
 
-    def env(self, role: str, job: str | None = None, worker: str | None = None) -> dict[str, str]:
-        return self.credentials(role, job, worker).env()
+    def env(
+        self, role: str, job: str | None = None, worker: str | None = None, node: str | None = None
+    ) -> dict[str, str]:
+        return self.credentials(role, job, worker, node).env()
 
-    def launcher_env(self, job: str) -> dict[str, str]:
-        """Everything a launcher of ``job`` needs: its own login, and its workers' (per
-        worker in ``PHALANX_NATS_WORKER_CREDENTIALS``, or the job's one rank user)."""
-        out = self.env(LAUNCHER, job)
-        workers = {c.worker: c for c in self.users.values() if c.job == job and c.worker is not None}
+    def nodes(self, job: str) -> list[str]:
+        """The nodes of ``job`` with a launcher of their own (``launcher@<job>/<node>``)."""
+        return [c.node for c in self.users.values() if c.job == job and c.role == LAUNCHER and c.node]
+
+    def launcher_env(self, job: str, node: str | None = None) -> dict[str, str]:
+        """Everything the launcher of ``job`` on ``node`` needs: its own login, and its
+        workers' (per worker in ``PHALANX_NATS_WORKER_CREDENTIALS``, or the job's one
+        rank user). ``node`` None: the job's one launcher (a job without per-node users)."""
+        out = self.env(LAUNCHER, job, node=node)
+        workers = {
+            c.worker: c
+            for c in self.users.values()
+            if c.job == job and c.worker is not None and (node is None or c.node == node)
+        }
         if workers:
             table = {w: {"user": c.user, "password": c.password} for w, c in workers.items()}
             out[ENV_WORKER_CREDENTIALS] = json.dumps(table, separators=(",", ":"))
@@ -546,12 +665,29 @@ class NatsAuth:
         return out
 
     def authorization(self) -> dict[str, object]:
-        """The ``authorization`` block of a nats-server config."""
+        """The ``authorization`` block of a nats-server config (every user in the global account)."""
         return {
             "users": [
                 {"user": c.user, "password": c.password, "permissions": c.permissions().as_config()}
                 for c in self.users.values()
             ]
+        }
+
+    def accounts(self, replicas: int | None = None) -> dict[str, object]:
+        """The ``accounts`` block: every user in the account :data:`ACCOUNT`, whose
+        JetStream quota is the sum of the streams' and buckets' ``max_bytes``
+        (:func:`~phalanx.bus.topology.account_max_file`, for ``replicas``: default
+        ``PHALANX_STREAM_REPLICAS``), and which may create no stream without
+        ``max_bytes``. JetStream reserves a stream's ``max_bytes`` against the quota
+        when it is created, so no stream can take another's space: a flood of one
+        rank's events never stops the planner's KV writes. Phalanx uses no memory
+        streams; ``max_mem`` caps a misconfigured one."""
+        quota = account_max_file(stream_replicas() if replicas is None else replicas)
+        return {
+            ACCOUNT: {
+                "jetstream": {"max_file": quota, "max_mem": 64 << 20, "max_bytes_required": True},
+                **self.authorization(),
+            }
         }
 
     def render_config(
@@ -563,14 +699,18 @@ class NatsAuth:
         server_name: str | None = None,
         http_port: int | None = None,
         authorization_only: bool = False,
+        replicas: int | None = None,
     ) -> str:
-        """A complete nats-server config: listen address, JetStream, authorization.
+        """A complete nats-server config: listen address, JetStream, the users in their
+        account with its JetStream quota (:meth:`accounts`, for ``replicas``).
 
         Command-line flags given together with ``-c`` (as :class:`NatsServer` does)
         override ``listen`` and the JetStream store directory (which must then not be
-        set here: the server refuses a store directory given twice).
-        ``authorization_only``: just the ``authorization`` block, for an existing
-        config to ``include`` (e.g. the cluster config of deploy/k8s/base/nats).
+        set here: the server refuses a store directory given twice). Monitoring
+        (``http_port``) listens on loopback only: its pages show connections, users
+        and subscriptions to anyone who reaches them, without authentication.
+        ``authorization_only``: just the ``accounts`` block, for an existing config to
+        ``include`` (e.g. the cluster config of deploy/k8s/base/nats).
         """
         conf: dict[str, object] = {}
         if authorization_only:
@@ -580,10 +720,10 @@ class NatsAuth:
         if server_name and not authorization_only:
             conf["server_name"] = server_name
         if http_port and not authorization_only:
-            conf["http_port"] = http_port
+            conf["http"] = f"127.0.0.1:{http_port}"
         if jetstream and not authorization_only:
             conf["jetstream"] = {"store_dir": os.fspath(store_dir)} if store_dir else {"enabled": True}
-        conf["authorization"] = self.authorization()
+        conf["accounts"] = self.accounts(replicas)
         body = "".join(f"{k}: {_conf_value(v, 0)}\n" for k, v in conf.items())
         users = ", ".join(self.users)
         return (
@@ -600,6 +740,7 @@ class NatsAuth:
         server_name: str | None = None,
         http_port: int | None = None,
         authorization_only: bool = False,
+        replicas: int | None = None,
     ) -> Path:
         """Write :meth:`render_config` to ``path``, readable by its owner only."""
         text = self.render_config(
@@ -609,14 +750,15 @@ class NatsAuth:
             server_name=server_name,
             http_port=http_port,
             authorization_only=authorization_only,
+            replicas=replicas,
         )
         return _write_private(Path(path), text)
 
     def write_env_files(self, directory: str | os.PathLike[str]) -> list[Path]:
         """``KEY=value`` files (mode 0600) for a compose ``env_file`` or ``kubectl
         create secret generic --from-env-file``: ``<role>.env`` per role-wide user,
-        ``launcher-<job>.env`` per job (:meth:`launcher_env`: the launcher's login
-        and its workers')."""
+        ``launcher-<job>-<node>.env`` per node of a job (``launcher-<job>.env`` for a
+        job's one launcher; :meth:`launcher_env`: the launcher's login and its workers')."""
         d = Path(directory)
         written = []
         for cred in self.users.values():
@@ -624,8 +766,11 @@ class NatsAuth:
                 lines = "".join(f"{k}={v}\n" for k, v in cred.env().items())
                 written.append(_write_private(d / f"{cred.role}.env", lines))
         for job in self.jobs:
-            lines = "".join(f"{k}={v}\n" for k, v in self.launcher_env(job).items())
-            written.append(_write_private(d / f"{LAUNCHER}-{job}.env", lines))
+            nodes: list[str | None] = [*self.nodes(job)] or [None]
+            for node in nodes:
+                lines = "".join(f"{k}={v}\n" for k, v in self.launcher_env(job, node).items())
+                name = f"{LAUNCHER}-{job}" + (f"-{node}" if node else "")
+                written.append(_write_private(d / f"{name}.env", lines))
         return written
 
 
@@ -640,7 +785,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write", help="generate users and write the server config and env files")
     w.add_argument("--config", required=True, help="nats-server config to write (mode 0600)")
-    w.add_argument("--env-dir", help="directory for <role>.env and launcher-<job>.env files (mode 0600)")
+    w.add_argument(
+        "--env-dir", help="directory for <role>.env and launcher-<job>[-<node>].env files (mode 0600)"
+    )
     w.add_argument("--listen", default="0.0.0.0:4222")
     w.add_argument("--store-dir", default="/data")
     w.add_argument("--server-name")
@@ -650,9 +797,10 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME[:WORKERS]",
-        help="users of one job (repeat for more): launcher@NAME, and rank@NAME/<worker> for each "
-        "worker of the comma-separated list (all of the job's workers, spares included), "
-        "or one rank@NAME without a list",
+        help="users of one job (repeat for more): rank@NAME/<worker> for each worker of the "
+        "comma-separated list (all of the job's workers, spares included), or one rank@NAME "
+        "without a list; launcher@NAME/<node> for each node the workers' names carry "
+        "(<node>-w<i>), else one launcher@NAME",
     )
     w.add_argument(
         "--roles",
@@ -660,16 +808,17 @@ def main(argv: list[str] | None = None) -> int:
         "but rank and launcher, whose job users replace them)",
     )
     w.add_argument(
-        "--authorization-only", action="store_true", help="only the authorization block, to include"
+        "--authorization-only", action="store_true", help="only the accounts block (the users), to include"
     )
     s = sub.add_parser("show", help="print one user's permissions as JSON")
     s.add_argument("role", choices=list(ROLES))
     s.add_argument("--job", help="the job's user of the role (launcher, rank)")
     s.add_argument("--worker", help="with --job: one worker's user (rank)")
+    s.add_argument("--node", help="with --job: one node's user (launcher)")
     args = p.parse_args(argv)
     if args.cmd == "show":
         try:
-            perms = permissions(args.role, job=args.job, worker=args.worker)
+            perms = permissions(args.role, job=args.job, worker=args.worker, node=args.node)
         except ValueError as exc:
             p.error(str(exc))
         print(json.dumps(perms.as_config(), indent=2))

@@ -346,7 +346,7 @@ class PolicyClient:
             PLAN.format(job=job),
             NODE_DIGEST.wildcard(job=job),
             DECISION.format(job=job),
-            RECOVERED.format(job=job),
+            RECOVERED.wildcard(job=job),
             CAPACITY.wildcard(**where),
             PREEMPT.wildcard(**where),
         ]

@@ -123,7 +123,9 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     FAILED.pattern: (("failure-detector",), ("elasticity-planner",)),
     HUNG.pattern: (("failure-detector",), ("elasticity-planner",)),
     NODE_LOST.pattern: (("failure-detector",), ("elasticity-planner",)),
-    JOINED.pattern: (("elasticity-planner",), ("launcher",)),
+    # The detector learns from the join answers and spawn requests which node runs which
+    # worker: a launcher speaks only for its own node's workers.
+    JOINED.pattern: (("elasticity-planner",), ("launcher", "failure-detector")),
     DECISION.pattern: (("elasticity-planner",), ("launcher", "policy", "operator")),
     ACK.pattern: (("rank",), ("elasticity-planner",)),
     RECOVERED.pattern: (("rank",), ("elasticity-planner", "state-replication", "policy", "operator")),
@@ -137,7 +139,7 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     CAPACITY.pattern: (("scheduler-signal",), ("elasticity-planner", "policy", "operator")),
     PREEMPT.pattern: (("scheduler-signal",), ("elasticity-planner", "policy", "operator")),
-    SPAWN.pattern: (("elasticity-planner",), ("launcher",)),
+    SPAWN.pattern: (("elasticity-planner",), ("launcher", "failure-detector")),
     PROPOSAL.pattern: (("policy",), ("elasticity-planner",)),
     # Whoever decodes input through the bus reports what it refused.
     ERROR.pattern: (

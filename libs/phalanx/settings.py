@@ -75,6 +75,28 @@ class Settings(BaseSettings):
     stream_replicas: int = Field(
         default=1, ge=1, description="Replicas of each stream and bucket (3 on a 3-node cluster)."
     )
+    # Limits of the streams and buckets, per replica (phalanx.bus.topology says how they are sized);
+    # the rendered server config gives the account a JetStream quota of their sum (phalanx.natsauth).
+    evt_max_bytes: int = Field(default=2 << 30, ge=1 << 20, description="PHALANX_EVT: bytes kept.")
+    evt_max_msgs_per_subject: int = Field(
+        default=2048, ge=16, description="PHALANX_EVT: messages kept per subject (the newest)."
+    )
+    cmd_max_bytes: int = Field(default=1 << 30, ge=1 << 20, description="PHALANX_CMD: bytes kept.")
+    sched_max_bytes: int = Field(default=256 << 20, ge=1 << 20, description="PHALANX_SCHED: bytes kept.")
+    err_max_bytes: int = Field(default=256 << 20, ge=1 << 20, description="PHALANX_ERR: bytes kept.")
+    err_max_msgs_per_subject: int = Field(
+        default=1024, ge=16, description="PHALANX_ERR: messages kept per subject (the newest)."
+    )
+    jobs_kv_max_bytes: int = Field(default=1 << 30, ge=1 << 20, description="Bucket phalanx_jobs: bytes.")
+    cluster_kv_max_bytes: int = Field(
+        default=64 << 20, ge=1 << 20, description="Bucket phalanx_cluster: bytes."
+    )
+    ckpt_kv_max_bytes: int = Field(default=1 << 30, ge=1 << 20, description="Bucket phalanx_ckpt: bytes.")
+    kv_max_value_size: int = Field(
+        default=4 << 20,
+        ge=64 << 10,
+        description="The largest value of any bucket (a job record: ~100 B/rank).",
+    )
 
     # --- metrics (Prometheus) --------------------------------------------------------
     metrics_host: str = Field(default="127.0.0.1", description="Address the /metrics endpoint listens on.")
@@ -242,6 +264,45 @@ class Settings(BaseSettings):
     ckpt_keep_disk: str | None = Field(default=None, description="Retention of the disk tier.")
     ckpt_keep_shared: str | None = Field(default=None, description="Retention of the shared tier.")
     ckpt_keep_object: str | None = Field(default=None, description="Retention of the object tier.")
+    keeper_key: SecretStr | None = Field(
+        default=None,
+        description="The cluster's keeper key (>= 32 bytes, the same on every node): keepers prove it to each other.",
+    )
+    keeper_key_file: Path | None = Field(default=None, description="A file holding the keeper key instead.")
+    keeper_timeout_s: float = Field(
+        default=30.0, gt=0, description="Longest wait for any read from, or write to, a peer keeper."
+    )
+    keeper_auth_timeout_s: float = Field(
+        default=5.0, gt=0, description="A peer that has not authenticated in this long is dropped."
+    )
+    keeper_min_rate: float = Field(
+        default=float(8 << 20),
+        gt=0,
+        description="Bytes/s below which a whole transfer with a peer is dropped.",
+    )
+    keeper_max_connections: int = Field(
+        default=64, ge=1, description="Peer connections a keeper serves at once."
+    )
+    keeper_max_connections_per_peer: int = Field(default=8, ge=1, description="Of those, from one address.")
+    keeper_max_fills: int = Field(
+        default=2, ge=1, description="Copies a keeper receives or restores into shared memory at once."
+    )
+    ckpt_max_bytes: int = Field(
+        default=64 << 30, ge=1, description="The largest checkpoint a keeper receives or restores."
+    )
+    keeper_shm_reserve_bytes: int = Field(
+        default=256 << 20,
+        ge=0,
+        description="Shared memory a keeper leaves free when it receives or restores.",
+    )
+    ckpt_job_uids: str | None = Field(
+        default=None,
+        description="The uid each job's ranks run as on this node, job=uid[,job=uid...]; a job not listed"
+        " runs as the keeper's uid. The keeper takes slots and registrations of a job only from that uid.",
+    )
+    ckpt_retry_max_s: float = Field(
+        default=300.0, gt=0, description="Longest wait between retries of a failed tier or catalog write."
+    )
 
     # --- telemetry and logging -----------------------------------------------------------------
     log_level: LogLevel | None = Field(
@@ -285,6 +346,15 @@ class Settings(BaseSettings):
             from phalanx.checkpoint.tiers import RetentionPolicy  # imports telemetry: only when set
 
             RetentionPolicy.parse(value)  # ValueError says what is wrong
+        return value
+
+    @field_validator("ckpt_job_uids")
+    @classmethod
+    def _job_uids(cls, value: str | None) -> str | None:
+        if value is not None:
+            from phalanx.checkpoint.slots import parse_job_uids
+
+            parse_job_uids(value)  # ValueError says what is wrong
         return value
 
     @field_validator("faults")

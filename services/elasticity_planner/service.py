@@ -27,9 +27,11 @@ Plans no one can miss. Ranks and launchers watch the job's record; besides, the
 planner re-publishes a plan on ``phalanx.cmd.<job>.plan`` until every member has
 acknowledged it (or a newer one replaces it).
 
-Inputs are checked: the subject's job must match the payload's (the bus checks
-that), a collective error must come from a member of the current generation and
-run, and a member that falls silent while its peers report failing collectives
+Inputs are checked: the subject's job, worker and node must match the payload's
+(the bus checks that; a rank may publish only on its own worker's subjects, a
+launcher only on its own node's), a process exit must come from the launcher of
+the node that runs the worker, a collective error and a plan acknowledgement
+must come from a member of the current generation and run, and a member that falls silent while its peers report failing collectives
 is fenced only with corroboration (a detector verdict, or its launcher having
 seen it exit); otherwise the same members re-form, with a growing wait and at
 most ``PHALANX_PLANNER_MAX_REFORMS`` times in a row.
@@ -46,6 +48,7 @@ import contextlib
 import copy
 import functools
 import re
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -92,7 +95,7 @@ from phalanx.bus.subjects import (
     REGISTERED,
     SPAWN,
 )
-from phalanx.bus.topology import kv_latest
+from phalanx.bus.topology import kv_latest, leader_bucket
 from phalanx.metrics import PlannerMetrics
 from phalanx.runtime.addr import split_addr
 from phalanx.runtime.follow import record_key
@@ -188,7 +191,7 @@ class ElasticityPlanner(Service):
 
     # -- lifecycle and leadership -------------------------------------------------------
     async def start(self) -> None:
-        self.kv = await self.bus.js.key_value(JOBS_BUCKET)
+        self.kv = await leader_bucket(self.bus.js, JOBS_BUCKET)  # compare-and-set: read-your-writes
         self.lease = Lease(self.kv, self.instance, self.lease_ttl_s)
         if await self.lease.step():  # a lone planner leads before start() returns
             await self._lead()
@@ -778,7 +781,23 @@ class ElasticityPlanner(Service):
             elif isinstance(msg, NodeLost):
                 await self._txn(msg.job, lambda state: self._on_node_lost(state, msg))
             elif isinstance(msg, RankExited):
+                if (why := self._exit_refusal(msg)) is not None:
+                    await self._refuse(raw.subject, msg, why)
+                    return
                 await self._txn(msg.job, lambda state: self._on_exited(state, msg))
+
+    def _exit_refusal(self, msg: RankExited) -> str | None:
+        """Why an exit report cannot be taken (None: its worker's own launcher sent it).
+
+        The subject names the sender's node (a launcher may publish only its own,
+        and the bus checked the payload's node is the subject's): a worker of another
+        node is not that launcher's to report, whatever the exit code.
+        """
+        state = self.jobs.get(msg.job)
+        node = state.node_of(msg.worker) if state is not None else None
+        if node is not None and node != msg.node:
+            return f"exit of {msg.worker} reported by the launcher of node {msg.node}: it runs on {node}"
+        return None
 
     def _trigger_of(self, msg: Message) -> str:
         """The ``reason`` class of decisions an event leads to; a fault is also noted for
@@ -813,6 +832,8 @@ class ElasticityPlanner(Service):
                     Decision(Action.HOLD, f"{msg.worker} exited while starting", removed=[msg.worker]),
                 )
             return state
+        # A member's own launcher saw it end with 0 (only it may report that worker:
+        # _exit_refusal): the training command finished, and so does the job.
         if state.plan and state.plan.rank_of(msg.worker) is not None:
             state.phase = JobPhase.COMPLETED
             self._decision(
@@ -1021,6 +1042,7 @@ class ElasticityPlanner(Service):
                 incident=incident,
                 reason=d.reason,
                 store_prefix=f"{job}/gen{generation}",
+                store_secret=secrets.token_urlsafe(24),  # the members' own: see Plan.store_secret
                 store_addr=self._store_for(state),
                 launch=state.run,
                 nodes={w: n for w in workers if (n := state.node_of(w)) is not None},

@@ -105,8 +105,14 @@ Inputs are checked before they count (a forged heartbeat must change nothing):
   and the sequence follows it again (``seq_resyncs``). So a forged jump within
   the bound blinds the detector until the real sender's next heartbeat at most.
 
-Refused inputs are counted (``Stats.refused_pid``, ``refused_seq``) and queued in
-:attr:`Detector.refused` for the service to log and report.
+- **the sender's node** (:meth:`Detector.assign`): the planner's answers to the
+  launchers say which node runs which worker; a digest entry or an exit report
+  about a worker from another node's launcher is refused (a forged ``DONE`` entry
+  would make the detector forget a rank, a forged exit would get it replaced).
+
+Refused inputs are counted (``Stats.refused_pid``, ``refused_seq``,
+``refused_node``) and queued in :attr:`Detector.refused` for the service to log
+and report.
 
 **Mass silence** (:meth:`Detector.tick`): when a silence verdict (a worker's or a
 node's) comes due, the detector looks one interval ahead: if the members of
@@ -142,7 +148,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from statistics import NormalDist
@@ -601,7 +607,8 @@ class Refusal:
     seq: int
     reason: str
     kind: str
-    """``pid`` (not the registered pid) or ``seq`` (beyond the sequence bound)."""
+    """``pid`` (not the registered pid), ``seq`` (beyond the sequence bound) or
+    ``node`` (about a worker of another node than the sender's)."""
 
 
 @dataclass(slots=True)
@@ -650,6 +657,8 @@ class Stats:
     """Heartbeats and digest entries whose pid is not the worker's registered one."""
     refused_seq: int = 0
     """Heartbeats, digest entries and digests whose seq was beyond the sequence bound."""
+    refused_node: int = 0
+    """Digest entries and exit reports about a worker of another node than the sender's."""
     seq_resyncs: int = 0
     """Heartbeats that showed a second sender under one pid (see "stale and resync")."""
     mass_holds: int = 0
@@ -693,6 +702,8 @@ class Detector:
         self._seq_slack, self._seq_rate = c.seq_slack, c.seq_rate
         self._mass_hold_s = c.mass_hold_s
         self._registered: dict[tuple[str, str], _Registration] = {}
+        self._node_of: dict[tuple[str, str], str] = {}
+        """(job, worker) -> the node the planner placed it on (:meth:`assign`)."""
         self.refused: list[Refusal] = []
         """Inputs refused since the service last took them (:meth:`take_refused`)."""
         self._mass: dict[str, MassHold] = {}
@@ -909,6 +920,9 @@ class Detector:
             n.declared_s = interval
         self.stats.digests += 1
         n.host = host
+        owners = self._node_of
+        if any(owners.get((job, r[0]), node) != node for r in rows):  # (one lookup per entry)
+            rows = [r for r in rows if not self._foreign(job, node, r[0], r[1], r[2], "digest entry")]
         done = Phase.DONE
         workers = [(r[0], r[1]) for r in rows if r[7] is not done]
         if workers != n.workers:  # (usually the same workers as last time: nobody left)
@@ -987,7 +1001,10 @@ class Detector:
         return True
 
     def on_exit(self, ex: RankExited) -> Incident | None:
-        """A process ended. Returns the incident, or None (clean exit, already closed)."""
+        """A process ended. Returns the incident, or None (clean exit, already closed, or
+        refused: reported by the launcher of another node than the worker's)."""
+        if self._foreign(ex.job, ex.node, ex.worker, ex.pid, -1, "exit report"):
+            return None
         iid = incident_id(ex.job, ex.worker, ex.pid)
         if iid in self._closed:
             self.stats.repeated_exits += 1
@@ -1042,6 +1059,35 @@ class Detector:
                 self._close(incident_id(w.job, w.worker, w.pid), f"removed_gen{plan.generation}")
         for key in [k for k in self._left if k[0] == plan.job and k[1] < plan.generation - 1]:
             del self._left[key]  # (the last generation's stay: a reform may come before a verdict)
+        return True
+
+    def assign(self, job: str, node: str, workers: Iterable[str]) -> None:
+        """Learn that ``workers`` of ``job`` run on ``node`` (the planner's answer to the
+        node's launcher, or its request to start spares there).
+
+        From then on only that node's launcher speaks for them: a digest entry or an
+        exit report about one of them from another node is refused (a launcher's
+        credentials cannot end, replace or silence another node's ranks). A worker
+        not assigned yet (the join answer and the first digests race; a detector
+        restarted reads the answers again first) is taken from any node.
+        """
+        for w in workers:
+            self._node_of[(job, w)] = node
+        while len(self._node_of) > self.config.closed_capacity:
+            del self._node_of[next(iter(self._node_of))]
+
+    def node_of(self, job: str, worker: str) -> str | None:
+        return self._node_of.get((job, worker))
+
+    def _foreign(self, job: str, node: str, worker: str, pid: int, seq: int, what: str) -> bool:
+        """Whether ``worker`` runs on another node than ``node`` (then refused)."""
+        owner = self._node_of.get((job, worker))
+        if owner is None or owner == node:
+            return False
+        self.stats.refused_node += 1
+        self._refuse(
+            job, worker, pid, seq, f"{what} of {job}/{worker} from node {node}: it runs on {owner}", "node"
+        )
         return True
 
     def register(self, reg: Registered) -> tuple[str, int | None]:

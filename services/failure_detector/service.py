@@ -8,11 +8,17 @@ It listens to
   from each node's launcher: the node is alive, plus each local worker's latest
   heartbeat and its age; 2,000 digests instead of 16,000 heartbeats per interval
   at 2,000 nodes x 8 ranks);
-- process exits, ``phalanx.evt.<job>.exited`` (JetStream, durable consumer
-  ``failure-detector-exits``: the launcher's fast crash path);
+- process exits, ``phalanx.evt.<job>.exited.<node>`` (JetStream, durable consumer
+  ``failure-detector-exits``: the launcher's fast crash path; taken only from the
+  launcher of the node that runs the worker);
+- the planner's join answers and spawn requests, ``phalanx.evt.<job>.joined`` and
+  ``phalanx.cmd.<job>.spawn`` (JetStream, durable consumers
+  ``failure-detector-joins`` / ``-spawns``, read again from the start at every
+  start): which node runs which worker, so that a launcher speaks only for its own
+  node's workers (:meth:`Detector.assign`);
 - plans, ``phalanx.cmd.<job>.plan`` (JetStream, durable consumer
   ``failure-detector-plans``: membership, generation, removed workers);
-- registrations, ``phalanx.evt.<job>.registered`` (JetStream, durable consumer
+- registrations, ``phalanx.evt.<job>.registered.<worker>`` (JetStream, durable consumer
   ``failure-detector-registrations``: the pid each worker runs as; a heartbeat or
   digest entry from another pid is refused, see :mod:`.detector`, "Inputs are
   checked");
@@ -39,9 +45,10 @@ job goes silent at once it holds that job's silence verdicts
 (``mass_silence_hold`` in the log; :mod:`.detector`, "Mass silence").
 
 Refused input (a heartbeat from a pid the worker did not register, a sequence
-number beyond the bound, a message on the wrong subject, one that does not
-decode) changes nothing; it is counted (health: ``decode_errors``,
-``refused_pid``, ``refused_seq``) and reported as an ``ErrorEvent`` on
+number beyond the bound, a message on the wrong subject or naming another
+worker or node than its subject, a digest entry or exit about another node's
+worker, one that does not decode) changes nothing; it is counted (health:
+``decode_errors``, ``refused_pid``, ``refused_seq``, ``refused_node``) and reported as an ``ErrorEvent`` on
 ``phalanx.err.failure-detector``, rate-limited per subject pattern with a summary
 of what was held back (:meth:`Bus.report_bad_input`), so a flood of bad messages
 neither blocks the heartbeats behind it nor floods the error stream.
@@ -117,10 +124,12 @@ from phalanx.bus.subjects import (
     FAILED,
     HEARTBEAT,
     HUNG,
+    JOINED,
     NODE_DIGEST,
     NODE_LOST,
     PLAN,
     REGISTERED,
+    SPAWN,
     Subject,
 )
 from phalanx.metrics import DetectorMetrics
@@ -130,9 +139,11 @@ from phalanx.schemas import (
     Heartbeat,
     Message,
     NodeDigest,
+    NodeJoined,
     Plan,
     RankExited,
     Registered,
+    SpawnWorkers,
     decode,
 )
 from phalanx.service import Service
@@ -286,6 +297,16 @@ class FailureDetector(Service):
         self._digest_sub = await self.bus.nc.subscribe(
             NODE_DIGEST.wildcard(**tokens), cb=self._on_digest_raw, pending_msgs_limit=1_000_000
         )
+        # Which node runs which worker: every answer the stream holds, from its start.
+        for stream, what in ((EVENTS, "joins"), (COMMANDS, "spawns")):
+            with contextlib.suppress(Exception):  # (none yet)
+                await self.bus.js.delete_consumer(stream.name, cfg.durable(what))
+        self.bus.consume(
+            EVENTS, cfg.durable("joins"), [JOINED.wildcard(**tokens)], self._on_placed, (NodeJoined,)
+        )
+        self.bus.consume(
+            COMMANDS, cfg.durable("spawns"), [SPAWN.wildcard(**tokens)], self._on_placed, (SpawnWorkers,)
+        )
         self.bus.consume(
             EVENTS,
             cfg.durable("registrations"),
@@ -338,6 +359,7 @@ class FailureDetector(Service):
             "displaced": s.displaced,
             "refused_pid": s.refused_pid,
             "refused_seq": s.refused_seq,
+            "refused_node": s.refused_node,
             "seq_resyncs": s.seq_resyncs,
             "mass_holds": s.mass_holds,
             "mass_held": s.mass_held,
@@ -425,10 +447,7 @@ class FailureDetector(Service):
             await self._report_refused(raw.subject, NodeDigest.KIND)
 
     async def _on_exit(self, msg: Message, raw: Msg) -> None:
-        if not isinstance(msg, RankExited):  # the bus already refuses other kinds
-            return
-        if raw.subject != EXITED.format(job=msg.job):
-            await self._refuse(raw, msg, f"exit of job {msg.job} on {raw.subject}")
+        if not isinstance(msg, RankExited):  # the bus already refuses other kinds (and other senders)
             return
         age = self.wall() - msg.exited_at
         if age > self.config.exit_max_age_s:
@@ -438,6 +457,9 @@ class FailureDetector(Service):
             )
             return
         incident = self.detector.on_exit(msg)
+        if self.detector.refused:  # another node's launcher: nothing changed
+            await self._report_refused(raw.subject, RankExited.KIND)
+            return
         if incident is None:
             self.log.info(
                 "exit_no_incident",
@@ -452,10 +474,7 @@ class FailureDetector(Service):
         await self._report(incident, extract_context(raw.headers))
 
     async def _on_registered(self, msg: Message, raw: Msg) -> None:
-        if not isinstance(msg, Registered):
-            return
-        if raw.subject != REGISTERED.format(job=msg.job):
-            await self._refuse(raw, msg, f"registration of job {msg.job} on {raw.subject}")
+        if not isinstance(msg, Registered):  # (the bus checked its subject names its job and worker)
             return
         outcome, dropped = self.detector.register(msg)
         fields = dict(
@@ -467,6 +486,13 @@ class FailureDetector(Service):
             self.log.info("worker_registered", outcome=outcome, dropped_pid=dropped, **fields)
         else:
             self.log.debug("worker_registered", outcome=outcome, **fields)
+
+    async def _on_placed(self, msg: Message, raw: Msg) -> None:
+        """The planner placed workers on a node (a join answer, a spawn request)."""
+        if isinstance(msg, NodeJoined) and not msg.accepted:
+            return
+        if isinstance(msg, NodeJoined | SpawnWorkers):
+            self.detector.assign(msg.job, msg.node, msg.workers)
 
     async def _on_plan(self, msg: Message, raw: Msg) -> None:
         if not isinstance(msg, Plan):

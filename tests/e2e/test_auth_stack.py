@@ -28,7 +28,8 @@ from tests.e2e.test_recovery import actions
 
 pytestmark = pytest.mark.slow
 
-VIOLATION = re.compile(r'"\$G/user:(?P<user>[^"]+)" - (?P<what>\w+) Violation - Subject "(?P<subject>[^"]+)"')
+# the users are in the account phalanx.natsauth.ACCOUNT (PHALANX), not the global $G
+VIOLATION = re.compile(r'"\w+/user:(?P<user>[^"]+)" - (?P<what>\w+) Violation - Subject "(?P<subject>[^"]+)"')
 
 
 @pytest.fixture(scope="module")

@@ -124,7 +124,7 @@ def _stored_recoveries(stack: LocalStack, job: str) -> list[RecoveryDone]:
     async def read() -> list[RecoveryDone]:
         bus = await Bus.connect(stack.url, name="test-recoveries")
         try:
-            sub = await bus.js.subscribe(RECOVERED.format(job=job), ordered_consumer=True)
+            sub = await bus.js.subscribe(RECOVERED.wildcard(job=job), ordered_consumer=True)
             out = []
             while True:
                 try:

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 import socket
 import ssl
 import subprocess
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import nats.errors
 import pytest
@@ -41,10 +41,12 @@ from phalanx.bus._connection import (
     ENV_NATS_USER,
     PermissionDenied,
 )
+from phalanx.bus.keywatch import KeyWatch
 from phalanx.bus.subjects import COMM_ERROR, HEARTBEAT, JOB_SPEC, JOINED, PLAN, REGISTERED
-from phalanx.bus.topology import ensure_topology
+from phalanx.bus.topology import BUCKET_HISTORY, bucket_limits, ensure_bucket, ensure_topology
 from phalanx.natsauth import KV_STREAM, NatsAuth
 from phalanx.natsserver import NatsServer
+from phalanx.runtime.follow import PlanFollower
 from phalanx.schemas import (
     CollectiveError,
     Heartbeat,
@@ -97,6 +99,7 @@ class AuthServer:
     auth: NatsAuth
     monkeypatch: pytest.MonkeyPatch
     stack: contextlib.AsyncExitStack
+    server: NatsServer
 
     @contextlib.contextmanager
     def as_role(self, role: str, job: str | None = None, worker: str | None = None) -> object:
@@ -128,7 +131,7 @@ async def srv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
     server = NatsServer(store_dir=tmp_path / "nats", config_file=conf).start()
     try:
         async with contextlib.AsyncExitStack() as stack:
-            s = AuthServer(server.url, server.log_file, auth, monkeypatch, stack)
+            s = AuthServer(server.url, server.log_file, auth, monkeypatch, stack, server)
             await s.connect("admin", ensure=True)  # provisions the streams and the bucket
             yield s
     finally:
@@ -397,16 +400,18 @@ async def test_a_message_on_another_jobs_subject_is_refused_and_changes_nothing(
         await intruder.nc.flush()
         subjects = [
             HEARTBEAT.format(job=OTHER, worker="w0"),
-            COMM_ERROR.format(job=OTHER),
-            JOB_SPEC.format(job=OTHER),
+            COMM_ERROR.format(job=OTHER, worker="w0"),
+            JOB_SPEC.format(job=OTHER, node="local"),
         ]
         await wait_for(lambda: all(refusals(logs, s) for s in subjects), "every refusal logged")
-    await wait_for(lambda: len(refusals(logs, JOB_SPEC.format(job=OTHER))) >= 2, "both spec refusals")
+    await wait_for(
+        lambda: len(refusals(logs, JOB_SPEC.format(job=OTHER, node="local"))) >= 2, "both spec refusals"
+    )
     users = {s: {str(r["user"]) for r in refusals(logs, s)} for s in subjects}
     assert users == {
         HEARTBEAT.format(job=OTHER, worker="w0"): {f"rank@{JOB}/w0"},
-        COMM_ERROR.format(job=OTHER): {f"rank@{JOB}/w0"},
-        JOB_SPEC.format(job=OTHER): {f"rank@{JOB}/w0", f"launcher@{JOB}"},
+        COMM_ERROR.format(job=OTHER, worker="w0"): {f"rank@{JOB}/w0"},
+        JOB_SPEC.format(job=OTHER, node="local"): {f"rank@{JOB}/w0", f"launcher@{JOB}"},
     }
 
     # The other job's own rank is heard, and is the first thing that job heard at all.
@@ -445,8 +450,8 @@ async def test_a_worker_cannot_heartbeat_as_another(srv: AuthServer) -> None:
 
 
 async def test_a_jobs_rank_follows_its_record_and_reads_nothing_else(srv: AuthServer) -> None:
-    """The KV get and the KV watch (ordered consumer) a rank follows its plan with work
-    under its job's credentials; writes, other streams and other jobs' subjects do not."""
+    """The KV get (a direct get) and the KV watch (a KeyWatch) a rank follows its plan with
+    work under its job's credentials; writes, other streams and other jobs' subjects do not."""
     planner = await srv.connect("planner")
     kv = await planner.js.key_value(JOBS_BUCKET)
     await kv.put(f"{JOB}.plan", encode(plan(1, "first"))[0])
@@ -455,13 +460,11 @@ async def test_a_jobs_rank_follows_its_record_and_reads_nothing_else(srv: AuthSe
     rank_kv = await rank_js.key_value(JOBS_BUCKET)
     assert decode((await rank_kv.get(f"{JOB}.plan")).value or b"", headers_for(Plan), Plan).reason == "first"
 
-    async def next_reason(watcher: Any) -> str:
-        while True:  # None: "caught up", which nats.py may say before or after the replay
-            entry = await asyncio.wait_for(watcher.updates(), WAIT_S)
-            if entry is not None:
-                return decode(entry.value or b"", headers_for(Plan), Plan).reason
+    async def next_reason(watcher: KeyWatch) -> str:
+        entry = await asyncio.wait_for(anext(watcher), WAIT_S)
+        return decode(entry.value or b"", headers_for(Plan), Plan).reason
 
-    watcher = await rank_kv.watch(f"{JOB}.plan")
+    watcher = await KeyWatch.start(rank.nc, JOBS_BUCKET, f"{JOB}.plan")
     assert await next_reason(watcher) == "first"  # the latest value, replayed
     await kv.put(f"{JOB}.plan", encode(plan(2, "second"))[0])
     assert await next_reason(watcher) == "second"
@@ -480,6 +483,121 @@ async def test_a_jobs_rank_follows_its_record_and_reads_nothing_else(srv: AuthSe
     for api in (f"$KV.{JOBS_BUCKET}.{JOB}.plan", f"$JS.API.STREAM.MSG.GET.{EVENTS.name}"):
         assert api.lower() in rank.denied, api
     assert (await kv.get(f"{JOB}.plan")).revision == 2
+
+
+async def test_another_jobs_users_cannot_read_a_jobs_plan_or_its_secret(srv: AuthServer) -> None:
+    """Job A's plan (and its rendezvous secret) is in A's record, on A's plan subject and in
+    the command stream. Job B's rank and launcher get no answer by any read of it -- direct
+    get, ``kv.get``, message get, a direct get with the key in the body, nats.py's
+    ``kv.watch``, a consumer named with A's key, the command stream, the plan subject -- and
+    a consumer named with B's own key but A's filter in its body is refused by the server.
+    Every refusal is logged; nothing is created or changed; A's own rank still follows the
+    record, across a server restart, and learns the secret."""
+    planner = await srv.connect("planner")
+    kv = await planner.js.key_value(JOBS_BUCKET)
+    first = plan(1, "first").model_copy(update={"store_secret": "s3cret-of-generation-1"})
+    revision = await kv.put(f"{JOB}.plan", encode(JobRecord(job=JOB, token=1, plan=first))[0])
+    await planner.publish(PLAN, first, job=JOB, msg_id=f"{JOB}:plan:1")  # stored in the command stream
+    key = f"$KV.{JOBS_BUCKET}.{JOB}.plan"
+    api = "$JS.API"
+
+    for role in ("rank", "launcher"):
+        worker = "w0" if role == "rank" else None
+        intruder = await srv.connect(role, name=f"{role}-intruder", job=OTHER, worker=worker)
+        js = intruder.nc.jetstream(timeout=1.0)  # a refused request is a timeout: keep it short
+        ikv = await js.key_value(JOBS_BUCKET)  # the bucket's stream info is allowed (job names)
+        body_filter = {"name": "peek", "deliver_subject": intruder.nc.new_inbox(), "filter_subject": key}
+        own = f"$KV.{JOBS_BUCKET}.{OTHER}.plan"
+        last_by_subject = json.dumps({"last_by_subj": key}).encode()
+        with capture_logs() as logs:
+            attempts: list[Awaitable[object]] = [
+                ikv.get(f"{JOB}.plan"),  # a direct get naming A's key
+                js.get_msg(KV_STREAM, subject=key),  # a message get (the key in the body)
+                intruder.nc.request(f"{api}.DIRECT.GET.{KV_STREAM}", last_by_subject),  # key in the body
+                ikv.watch(f"{JOB}.plan"),  # nats.py's watch: an unnamed consumer
+                KeyWatch.start(intruder.nc, JOBS_BUCKET, f"{JOB}.plan", timeout_s=1.0),  # named, A's key
+                js.get_msg(COMMANDS.name, seq=1),  # the plan as published
+                js.subscribe(PLAN.format(job=JOB), stream=COMMANDS.name),
+            ]
+            results = await asyncio.gather(*attempts, return_exceptions=True)
+            assert all(isinstance(r, nats.errors.TimeoutError) for r in results), results
+            # Its own key in the API subject (allowed) and A's filter in the body: the server refuses.
+            reply = await intruder.nc.request(
+                f"{api}.CONSUMER.CREATE.{KV_STREAM}.peek.{own}",
+                json.dumps({"stream_name": KV_STREAM, "config": body_filter, "action": "create"}).encode(),
+                timeout=WAIT_S,
+            )
+            assert json.loads(reply.data)["error"]["err_code"] == 10131, reply.data
+            await intruder.nc.subscribe(PLAN.format(job=JOB))  # the plan subject: refused as well
+            await intruder.nc.flush()
+            await wait_for(lambda: bool(refusals(logs, PLAN.format(job=JOB))), "the refused subscription")
+        denied = {
+            f"{api}.DIRECT.GET.{KV_STREAM}.{key}",
+            f"{api}.STREAM.MSG.GET.{KV_STREAM}",
+            f"{api}.DIRECT.GET.{KV_STREAM}",
+            f"{api}.CONSUMER.CREATE.{KV_STREAM}",
+            f"{api}.STREAM.MSG.GET.{COMMANDS.name}",
+            PLAN.format(job=JOB),
+        }
+        assert {d.lower() for d in denied} <= set(intruder.denied), intruder.denied
+        assert any(d.startswith(f"{api}.consumer.create.{KV_STREAM}.watch_".lower()) for d in intruder.denied)
+        users = {str(line["user"]) for line in logs if line.get("event") == "permission_denied"}
+        assert users == {srv.auth.credentials(role, OTHER, worker).user}
+
+    # Nothing was created or changed: no consumer on the bucket or the commands, the same record.
+    for stream in (KV_STREAM, COMMANDS.name):
+        assert (await planner.js.stream_info(stream)).state.consumer_count == 0, stream
+    assert (await kv.get(f"{JOB}.plan")).revision == revision
+
+    # Job A's own rank follows its record (and so learns the secret), across a restart.
+    member = await srv.connect("rank", name="rank-w0", job=JOB, worker="w0")
+    seen: list[Plan] = []
+    follower = PlanFollower(member, JOB, lambda p, by_message: seen.append(p))
+    await follower.start()
+    try:
+        await wait_for(lambda: any(p.generation == 1 for p in seen), "generation 1, read and replayed")
+        assert seen[0].store_secret == "s3cret-of-generation-1"
+        await planner.close()
+        srv.server.restart()
+        planner = await srv.connect("planner")
+        await wait_for(lambda: member.reconnects >= 1, "the member's reconnect")
+        second = plan(2, "second").model_copy(update={"store_secret": "s3cret-of-generation-2"})
+        kv = await planner.js.key_value(JOBS_BUCKET)
+        await kv.put(f"{JOB}.plan", encode(JobRecord(job=JOB, token=1, plan=second))[0])  # no message
+        await wait_for(lambda: any(p.generation == 2 for p in seen), "generation 2 through the watch")
+    finally:
+        await follower.stop()
+    assert next(p.store_secret for p in seen if p.generation == 2) == "s3cret-of-generation-2"
+    assert not member.denied
+
+
+async def test_a_jobs_bucket_from_before_direct_gets_gets_them_from_the_planner(srv: AuthServer) -> None:
+    """A deployment whose bucket has no direct gets (made before they were used): a job's
+    rank cannot read its record (the unscoped message get is not allowed); a launcher's
+    ensure cannot change the bucket (refused, logged); the planner's does, and the rank
+    reads its record from then on."""
+    admin = await srv.connect("admin")
+    await admin.js.delete_key_value(JOBS_BUCKET)
+    limits = bucket_limits(JOBS_BUCKET)
+    old = await admin.js.create_key_value(  # as it was made: all but direct gets
+        bucket=JOBS_BUCKET, history=BUCKET_HISTORY, max_bytes=limits.max_bytes, max_value_size=limits.max_msg_size
+    )
+    await old.put(f"{JOB}.plan", encode(plan(1, "first"))[0])
+    rank = await srv.connect("rank", name="rank-w0", job=JOB, worker="w0")
+    with pytest.raises(nats.errors.TimeoutError):
+        await (await rank.nc.jetstream(timeout=1.0).key_value(JOBS_BUCKET)).get(f"{JOB}.plan")
+
+    launcher = await srv.connect("launcher", name=f"launcher-{JOB}", job=JOB)
+    with capture_logs() as logs:
+        await ensure_bucket(launcher.nc.jetstream(timeout=1.0), JOBS_BUCKET)
+    assert [e["event"] for e in logs if e.get("stream") == KV_STREAM] == ["stream_config_outdated"]
+    assert not (await admin.js.stream_info(KV_STREAM)).config.allow_direct
+
+    planner = await srv.connect("planner", name="elasticity-planner", ensure=True)
+    assert (await admin.js.stream_info(KV_STREAM)).config.allow_direct
+    assert not planner.denied
+    entry = await (await rank.nc.jetstream(timeout=1.0).key_value(JOBS_BUCKET)).get(f"{JOB}.plan")
+    assert decode(entry.value or b"", headers_for(Plan), Plan).reason == "first"
 
 
 # -- TLS ----------------------------------------------------------------------------------------

@@ -428,8 +428,8 @@ async def test_bad_input_makes_error_events_and_changes_nothing(
     for subject, data, hdrs in bad:
         await bus.publish_raw(subject, data, hdrs)
     # JetStream inputs: a plan on the exit subject, a malformed exit
-    await bus.js.publish("phalanx.evt.j1.exited", plan_payload, headers=plan_headers)
-    await bus.js.publish("phalanx.evt.j1.exited", b"\x93\x01", headers=exit_headers)
+    await bus.js.publish("phalanx.evt.j1.exited.local", plan_payload, headers=plan_headers)
+    await bus.js.publish("phalanx.evt.j1.exited.local", b"\x93\x01", headers=exit_headers)
     await wait_until(lambda: len(events.errors()) == 7, what="7 error events")
     reasons = [e.reason for e in events.errors()]
     assert all(e.service == "failure-detector" for e in events.errors())

@@ -103,6 +103,10 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     async def rec_publish(self: Client, subject: str, *args: Any, **kwargs: Any) -> None:
         if subject.startswith("phalanx."):
             rec.seen(self).published.add(subject)
+        elif subject.startswith("$JS.API.CONSUMER.CREATE.") and subject.count(".") > 5:
+            # a consumer named with its filter in the subject (KeyWatch): $JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>
+            stream, _name, filter_subject = subject.split(".", 6)[4:]
+            rec.seen(self).consumed.add((stream, filter_subject))
         await publish(self, subject, *args, **kwargs)
 
     async def rec_add_consumer(self: JetStreamManager, stream: str, config: Any = None, **kwargs: Any) -> Any:

@@ -8,6 +8,8 @@ import asyncio
 
 import pytest
 from nats.aio.msg import Msg
+from phalanx.services.elasticity_planner.service import ElasticityPlanner
+from structlog.testing import capture_logs
 
 from phalanx.bus import JOBS_BUCKET, Bus
 from phalanx.bus.subjects import (
@@ -315,7 +317,7 @@ async def test_forged_comm_errors_are_refused_and_change_nothing(
         "generation 7",
     ):
         assert why in reasons
-    assert "collective_error of job 'other' on phalanx.evt.pj.comm_error" in reasons
+    assert "collective_error of job 'other' on phalanx.evt.pj.comm_error.w0" in reasons
 
 
 async def _until(pred: object) -> None:
@@ -386,3 +388,34 @@ async def test_a_spare_that_never_registers_is_waited_for_only_so_long(
         await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
         await watcher.wait_for(lambda: any(d.action is Action.STOP for d in watcher.decisions))
     assert [d.action for d in watcher.decisions if d.incident == event.incident] == [Action.HOLD, Action.STOP]
+
+
+async def test_every_generation_meets_under_its_own_secret_which_is_never_logged(
+    nats_url: str, bus: Bus, watcher: Watcher
+) -> None:
+    """Each plan names its generation's store prefix and a fresh random ``store_secret``
+    (what keeps non-members out of the rendezvous keys, phalanx.runtime.comm); the record
+    holds it for the members, and no log line of the planner carries it."""
+    planner_bus = await Bus.connect(nats_url, name="elasticity-planner")
+    svc = ElasticityPlanner(planner_bus)
+    with capture_logs() as logs:
+        await svc.start()
+        try:
+            await start_job(bus)
+            await watcher.wait_for(lambda: len(watcher.plans) == 1)
+            event = failed("w1", 1)
+            await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
+            await watcher.wait_for(lambda: len(watcher.plans) == 2)
+        finally:
+            await svc.stop()
+            await planner_bus.close()
+    assert [p.store_prefix for p in watcher.plans] == [f"{JOB}/gen1", f"{JOB}/gen2"]
+    secrets = [p.store_secret for p in watcher.plans]
+    assert len(set(secrets)) == 2 and all(len(s) >= 32 for s in secrets), "random, 24 bytes or more"
+    entry = await (await bus.js.key_value(JOBS_BUCKET)).get(f"{JOB}.plan")
+    record = decode(entry.value or b"", headers_for(JobRecord), JobRecord)
+    assert record.plan is not None and record.plan.store_secret == secrets[1]
+    assert {"planner_leader", "node_joined"} <= {line.get("event") for line in logs}  # it did log
+    leaked = [line for line in logs for s in secrets if s in repr(line)]
+    assert not leaked, leaked
+    assert not any(s in repr(p) or s in str(p) for p in watcher.plans for s in secrets)  # repr=False

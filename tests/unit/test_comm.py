@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from phalanx.runtime.comm import (
     arrival_barrier,
     backend_for,
     connect_store,
+    generation_store,
     host_store,
 )
 
@@ -248,6 +250,56 @@ def test_gloo_binds_the_address_it_is_given(prefix: str) -> None:
     finally:
         for c in comms:
             c.destroy()
+
+
+# -- the generation's secret ---------------------------------------------------------------------
+
+
+def test_without_the_generations_secret_a_client_neither_sees_nor_forges_its_keys(
+    store: dist.TCPStore, prefix: str
+) -> None:
+    """Members keep their keys under the plan's ``store_secret`` (generation_store), meet
+    and all-reduce. A client with the store's address and the plan's ``store_prefix`` but
+    not the secret (another job's rank, anyone on the network) finds none of their keys,
+    and an arrival it plants is not taken for a member's; nor does the secret of an
+    earlier generation (a fenced member's) open this one."""
+    secret, old_secret = "s3cret-of-gen-2", "s3cret-of-gen-1"
+    intruder = connect_store(_addr(store))
+    arrived = [f"{prefix}/arrived/{r}" for r in range(2)]
+    intruder.set(arrived[1], "forged")  # rank 1's arrival under the prefix alone ...
+    generation_store(intruder, old_secret).set(arrived[1], "forged")  # ... and under the old secret
+    lone = generation_store(connect_store(_addr(store)), secret)
+    with pytest.raises(CommError, match="timed out"):  # the plants do not complete rank 0's barrier
+        arrival_barrier(lone, prefix, 0, 2, lambda: False, timeout_s=0.5)
+
+    def member(rank: int) -> list[float]:
+        client = generation_store(connect_store(_addr(store)), secret)
+        arrival_barrier(client, prefix, rank, 2, lambda: False, timeout_s=JOIN_S)
+        comm = Communicator(client, prefix, rank, 2)
+        t = torch.full((2,), float(rank + 1))
+        comm.allreduce_sum_(t)
+        comm.destroy()
+        return t.tolist()
+
+    assert run_ranks(2, member) == [[3.0, 3.0], [3.0, 3.0]]
+    assert generation_store(intruder, secret).check(arrived)  # the members' keys are there ...
+    assert not intruder.check([arrived[0]])  # ... but not where the prefix alone leads
+    assert not generation_store(intruder, old_secret).check([arrived[0]])  # nor the old secret
+    assert intruder.get(arrived[1]) == b"forged"  # the plant stayed the intruder's own
+    assert generation_store(intruder, secret).get(arrived[1]) != b"forged"
+    assert generation_store(intruder, "") is intruder  # no secret (an older planner's plan): as before
+
+
+def test_a_failed_rendezvous_names_its_prefix_never_its_secret(store: dist.TCPStore, prefix: str) -> None:
+    """torch names the key it waited for in full; the CommError (what is logged and
+    published) shows it from the prefix on, without the secret."""
+    secret = "s3cret-never-shown"
+    alone = generation_store(connect_store(_addr(store), timeout_s=1.0), secret)
+    with pytest.raises(CommError) as caught:
+        Communicator(alone, prefix, 0, 2, timeout_s=1.0)  # rank 1 never comes
+    text = str(caught.value)
+    assert f"<secret>/{prefix}/" in text and secret not in text, text
+    assert secret not in "".join(traceback.format_exception(caught.value))  # a logged traceback too
 
 
 # -- devices and backends ------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import re
 import shlex
 import shutil
 import socket
+import stat
 import subprocess
 import tomllib
 from functools import cache
@@ -203,7 +204,13 @@ def test_checked_in_auth_conf_is_the_rendering_of_natsauth() -> None:
     passwords = re.findall(r"^\s*password: (.*)$", text, re.M)
     assert passwords and all(re.fullmatch(r"\$NATS_PASSWORD_[A-Z0-9_]+", p) for p in passwords)
     users = set(re.findall(r'^\s*user: "([^"]+)"$', text, re.M))
-    assert users == set(render.users()) >= {*ROLE_OF_SERVICE.values(), f"launcher@{JOB}", f"rank@{JOB}"}
+    compose = {f"launcher@{JOB}/{n}" for n in NODES} | {f"rank@{JOB}/{n}-w0" for n in NODES}
+    assert users == set(render.users(nodes=NODES)) >= {*ROLE_OF_SERVICE.values(), *compose}
+    k8s = set(re.findall(r'^\s*user: "([^"]+)"$', (K8S / "base" / "nats" / "auth.conf").read_text(), re.M))
+    assert k8s == set(render.users(nodes=render.NODES["k8s"]))
+    # No job-wide user: a launcher speaks for its node only, a rank for itself only.
+    for u in users | k8s:
+        assert "@" not in u or re.fullmatch(rf"(launcher@{JOB}/[\w-]+|rank@{JOB}/[\w-]+-w\d+)", u), u
 
 
 def _password_vars() -> set[str]:
@@ -217,16 +224,39 @@ def _env_example() -> dict[str, str]:
 
 def test_env_example_and_secret_example_name_every_password() -> None:
     example = _env_example()
-    assert set(example) == _password_vars() | {"GRAFANA_ADMIN_PASSWORD"}
+    assert set(example) == _password_vars() | {"GRAFANA_ADMIN_PASSWORD", "PHALANX_KEEPER_KEY"}
     assert all(v == "" for v in example.values()), "no password in the example file"
     generated = dict(line.split("=", 1) for line in render.random_env().splitlines())
-    assert set(generated) == set(example) and all(
+    key = generated.pop("PHALANX_KEEPER_KEY")
+    assert re.fullmatch(r"[A-Za-z0-9]{64}", key)  # the keepers' key: >= 32 bytes
+    assert set(generated) | {"PHALANX_KEEPER_KEY"} == set(example) and all(
         re.fullmatch(r"[A-Za-z][A-Za-z0-9]{31}", v) for v in generated.values()
     )
     (secret,) = _docs(K8S / "nats-passwords.example.yaml")
     assert secret["kind"] == "Secret" and secret["metadata"]["name"] == PASSWORD_SECRET
-    assert set(secret["stringData"]) == _password_vars()
+    assert set(secret["stringData"]) == set(render.users(nodes=render.NODES["k8s"]).values())
     assert "/.env" in (DEPLOY / ".gitignore").read_text().splitlines()  # never committed
+
+
+def test_each_k8s_node_gets_a_file_of_its_own_logins(tmp_path: Path) -> None:
+    """``render.py launchers``: one file per node index (the Secret phalanx-launchers-sample),
+    with that node's launcher login and its workers', nobody else's, as in deploy/.env."""
+    from phalanx.natsauth import ENV_WORKER_CREDENTIALS, read_env_file
+
+    (tmp_path / ".env").write_text(render.random_env())
+    values = read_env_file(tmp_path / ".env")
+    assert render.main(["launchers", "--env", str(tmp_path / ".env"), "--out", str(tmp_path / "out")]) == 0
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == sorted(f"launcher-{JOB}-{n}.env" for n in render.NODES["k8s"])
+    for node in render.NODES["k8s"]:
+        path = tmp_path / "out" / f"launcher-{JOB}-{node}.env"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        env = read_env_file(path)
+        assert env["PHALANX_NATS_USER"] == f"launcher@{JOB}/{node}"
+        assert env["PHALANX_NATS_PASSWORD"] == values[render.password_var(f"launcher@{JOB}/{node}")]
+        table = json.loads(env[ENV_WORKER_CREDENTIALS])
+        assert list(table) == render.workers((node,))
+        assert all(v["password"] == values[render.password_var(v["user"])] for v in table.values())
 
 
 def _nats_check(conf: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -255,7 +285,7 @@ def _generated_env() -> dict[str, str]:
 )
 def test_nats_server_accepts_the_config_only_with_every_password(conf: Path, tmp_path: Path) -> None:
     (tmp_path / "nats.conf").write_text(conf.read_text())
-    shutil.copy(DEPLOY / "nats" / "auth.conf", tmp_path / "auth.conf")
+    shutil.copy(conf.parent / "auth.conf", tmp_path / "auth.conf")  # production: its own quota
     target = tmp_path / "nats.conf"
     env = {**_generated_env(), "SERVER_NAME": "nats-0"}
     ok = _nats_check(target, env)
@@ -282,7 +312,7 @@ def test_a_service_logs_in_with_its_password_from_the_environment(tmp_path: Path
 
     port, http = _free_port(), _free_port()
     conf = (DEPLOY / "nats" / "nats.conf").read_text()
-    conf = conf.replace("0.0.0.0:4222", f"127.0.0.1:{port}").replace("0.0.0.0:8222", f"127.0.0.1:{http}")
+    conf = conf.replace("0.0.0.0:4222", f"127.0.0.1:{port}").replace("127.0.0.1:8222", f"127.0.0.1:{http}")
     conf = conf.replace("store_dir: /data", f"store_dir: {tmp_path / 'js'}")
     (tmp_path / "nats.conf").write_text(conf)
     shutil.copy(DEPLOY / "nats" / "auth.conf", tmp_path / "auth.conf")
@@ -330,6 +360,56 @@ def test_a_service_logs_in_with_its_password_from_the_environment(tmp_path: Path
 
 
 # -- Compose -------------------------------------------------------------------------------
+NATS_CONFS = (
+    DEPLOY / "nats" / "nats.conf",
+    K8S / "base" / "nats" / "nats.conf",
+    K8S / "overlays" / "production" / "nats" / "nats.conf",
+)
+
+
+def test_nats_monitoring_listens_on_loopback_only_and_is_published_nowhere() -> None:
+    """The monitoring pages show connections, users and subscriptions without
+    authentication: every shipped config binds them to loopback, no port or Service
+    exposes 8222, and the health checks run inside the container."""
+    for conf in NATS_CONFS:
+        text = conf.read_text()
+        assert re.findall(r"^(?:http|https|http_port|monitor_port)\s*[:=]\s*(\S+)", text, re.M) == [
+            "127.0.0.1:8222"
+        ], conf
+    nats = _compose()["services"]["nats"]
+    assert not any("8222" in str(p) for p in nats.get("ports", []))
+    assert "127.0.0.1:8222" in " ".join(nats["healthcheck"]["test"])
+    for which in ("dev", "production"):
+        docs = _rendered(which)
+        for d in docs:
+            if d["kind"] == "Service":
+                ports = [p["port"] for p in d["spec"].get("ports", [])]
+                assert 8222 not in ports, (which, d["metadata"]["name"])
+        (c,) = _one(docs, "StatefulSet", "nats")["spec"]["template"]["spec"]["containers"]
+        assert all(p["containerPort"] != 8222 for p in c["ports"]), which
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert "httpGet" not in c[probe] and "http://127.0.0.1:8222/healthz" in " ".join(
+                c[probe]["exec"]["command"]
+            ), (which, probe)
+
+
+def test_the_account_quota_covers_every_stream_and_the_store_holds_it() -> None:
+    """Each auth.conf puts every user in one account whose JetStream quota is the sum
+    of the streams' and buckets' max_bytes at the deployment's replicas (3 in
+    production) and requires max_bytes of every stream; the server's store holds the
+    quota (nats-server does not start otherwise)."""
+    from phalanx.bus.topology import account_max_file
+
+    units = {"MB": 1 << 20, "GB": 1 << 30}
+    for conf, replicas in zip(NATS_CONFS, (1, 1, 3), strict=True):
+        auth = (conf.parent / "auth.conf").read_text()
+        quota = int(re.search(r"^\s*max_file: (\d+)$", auth, re.M).group(1))  # type: ignore[union-attr]
+        assert quota == account_max_file(replicas), conf
+        assert re.search(r"^\s*max_bytes_required: true$", auth, re.M)
+        size = re.search(r"max_file_store: (\d+)(MB|GB)", conf.read_text())
+        assert size and int(size.group(1)) * units[size.group(2)] >= quota, conf
+
+
 def test_compose_validates_against_the_compose_spec_schema() -> None:
     jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
     schema = json.loads((DEPLOY / "schema" / "compose-spec.json").read_text())
@@ -417,12 +497,16 @@ def test_compose_runs_nats_with_jetstream_on_a_volume_and_authorization() -> Non
     store = re.search(r"store_dir: (\S+)", conf).group(1)  # type: ignore[union-attr]
     assert mounts["nats-data"] == store and "nats-data" in _compose()["volumes"]
     assert re.search(r"^include \./auth\.conf$", conf, re.M)
-    assert {_var(v) for v in nats["environment"].values()} == _password_vars()
+    assert {_var(v) for v in nats["environment"].values()} == set(render.users(nodes=NODES).values())
     # every password anywhere in the file is a required reference to deploy/.env
     for name, svc in services.items():
         for key, value in _interpolated_env(svc).items():
             if "PASSWORD" in key:
                 assert _var(value) in _env_example(), (name, key)
+    # the keepers' cluster key goes to state-replication alone: a job never holds it
+    holders = [n for n, svc in services.items() if "PHALANX_KEEPER_KEY" in _interpolated_env(svc)]
+    assert holders == ["state-replication"]
+    assert _var(services["state-replication"]["environment"]["PHALANX_KEEPER_KEY"]) == "PHALANX_KEEPER_KEY"
     assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
     assert "4318:4318" in services["jaeger"]["ports"]
 
@@ -447,11 +531,14 @@ def test_compose_runs_the_sample_job_on_two_launcher_containers() -> None:
         svc = services[name]
         env = _interpolated_env(svc)
         _assert_phalanx_env(name, env)
-        assert (
-            env["PHALANX_NATS_USER"] == f"launcher@{JOB}" and env["PHALANX_NATS_RANK_USER"] == f"rank@{JOB}"
-        )
-        assert _var(env["PHALANX_NATS_PASSWORD"]) == render.password_var(f"launcher@{JOB}")
-        assert _var(env["PHALANX_NATS_RANK_PASSWORD"]) == render.password_var(f"rank@{JOB}")
+        # Its own node's launcher, and its own workers' logins, nobody else's.
+        assert env["PHALANX_NATS_USER"] == f"launcher@{JOB}/{name}" and "PHALANX_NATS_RANK_USER" not in env
+        assert _var(env["PHALANX_NATS_PASSWORD"]) == render.password_var(f"launcher@{JOB}/{name}")
+        table = json.loads(env["PHALANX_NATS_WORKER_CREDENTIALS"])
+        assert list(table) == render.workers((name,)) and all(w.startswith(f"{name}-w") for w in table)
+        for w, login in table.items():
+            assert login["user"] == f"rank@{JOB}/{w}"
+            assert _var(login["password"]) == render.password_var(login["user"])
         assert {d: c["condition"] for d, c in svc["depends_on"].items() if d in SERVICES or d == "nats"} == {
             d: "service_healthy" for d in ("nats", *SERVICES)
         }
@@ -572,6 +659,36 @@ def test_every_rendered_object_is_valid_for_the_api_server(
         for d in docs
     }
     assert {("StatefulSet", "nats"), ("Job", "train-sample"), ("ConfigMap", "phalanx-env")} <= kinds
+
+
+@pytest.mark.parametrize("which", RENDERINGS)
+def test_network_policies_close_the_keeper_port_and_select_real_pods(which: str) -> None:
+    """Every NetworkPolicy selects pods that exist; the keepers' port is open to keepers
+    only; NATS monitoring (8222) and the keeper port are open to no one else."""
+    docs = _rendered(which)
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert {"nats", "state-replication", "train-sample"} <= set(policies)
+    pod_labels = [
+        d["spec"]["template"]["metadata"].get("labels", {})
+        for d in docs
+        if d["kind"] in ("StatefulSet", "Deployment", "DaemonSet", "Job")
+    ]
+    for name, spec in policies.items():
+        want = spec["podSelector"]["matchLabels"]
+        assert any(want.items() <= labels.items() for labels in pod_labels), name
+    keeper_rules = [
+        r
+        for r in policies["state-replication"]["ingress"]
+        if {"protocol": "TCP", "port": 7070} in r.get("ports", [])
+    ]
+    assert keeper_rules == [
+        {
+            "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "state-replication"}}}],
+            "ports": [{"protocol": "TCP", "port": 7070}],
+        }
+    ]
+    opened = {p["port"] for spec in policies.values() for r in spec["ingress"] for p in r.get("ports", [])}
+    assert 8222 not in opened
 
 
 def test_the_secret_example_is_valid_and_no_rendering_holds_a_secret(no_network: None) -> None:
@@ -708,10 +825,8 @@ def test_overlays_size_replicas_and_nats() -> None:
             r"nats://(nats-\d+)\.nats-headless\.phalanx\.svc\.cluster\.local:6222", conf["nats.conf"]
         )
         assert routes == ([f"nats-{i}" for i in range(servers)] if servers > 1 else [])
-        assert (
-            "include ./auth.conf" in conf["nats.conf"]
-            and conf["auth.conf"] == (DEPLOY / "nats" / "auth.conf").read_text()
-        )
+        auth = K8S / ("base" if servers == 1 else "overlays/production") / "nats" / "auth.conf"
+        assert "include ./auth.conf" in conf["nats.conf"] and conf["auth.conf"] == auth.read_text()
         env = _one(docs, "ConfigMap", _env_map_name(docs))["data"]
         assert int(env["PHALANX_STREAM_REPLICAS"]) == servers  # streams as replicated as the cluster allows
         assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
@@ -848,9 +963,15 @@ def test_training_runs_one_launcher_pod_per_node(which: str) -> None:
     assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}} and flags["--bind"] == "$(POD_IP)"
     assert env["PHALANX_METRICS_HOST"] == "0.0.0.0" and env["PHALANX_METRICS_PORT"] == str(METRICS_PORT)
     assert {"name": "metrics", "containerPort": METRICS_PORT} in c["ports"]
-    assert env["PHALANX_NATS_USER"] == f"launcher@{JOB}" and env["PHALANX_NATS_RANK_USER"] == f"rank@{JOB}"
-    assert env["PHALANX_NATS_PASSWORD"]["secretKeyRef"]["key"] == render.password_var(f"launcher@{JOB}")
-    assert env["PHALANX_NATS_RANK_PASSWORD"]["secretKeyRef"]["key"] == render.password_var(f"rank@{JOB}")
+    # This node's logins only: the file of its index in the launchers' Secret.
+    assert not {"PHALANX_NATS_USER", "PHALANX_NATS_PASSWORD", "PHALANX_NATS_RANK_USER"} & env.keys()
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "nats-logins")
+    volume = next(v for v in pod["volumes"] if v["name"] == "nats-logins")
+    assert mount["readOnly"] and volume["secret"]["secretName"] == f"phalanx-launchers-{JOB}"
+    index_file = f"launcher-{JOB}-train-sample-$(PHALANX_NODE_INDEX).env"
+    assert env["PHALANX_NATS_ENV_FILE"] == f"{mount['mountPath']}/{index_file}"
+    names = [e["name"] for e in c["env"]]  # $(VAR) expands only variables defined before it
+    assert names.index("PHALANX_NODE_INDEX") < names.index("PHALANX_NATS_ENV_FILE")
     # --rdzv-endpoint is the nats Service, the same server as NATS_URL
     assert env["NATS_URL"] == f"nats://{flags['--rdzv-endpoint']}"
     assert flags["--rdzv-endpoint"].startswith(
@@ -863,6 +984,7 @@ def test_training_runs_one_launcher_pod_per_node(which: str) -> None:
         for c_ in [c]
     }
     assert ids == {f"train-sample-{i}" for i in range(nodes)}
+    assert ids <= set(render.NODES["k8s"]), "every node has its users (deploy/nats/render.py NODES)"
     for i in range(nodes):
         words = [
             w.replace("$(PHALANX_NODE_INDEX)", str(i)).replace("$(POD_IP)", f"10.0.0.{i + 1}")

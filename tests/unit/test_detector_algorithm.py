@@ -1142,6 +1142,34 @@ def test_forged_digest_entries_and_digests_are_refused_and_change_nothing() -> N
     assert len(det) == 24
 
 
+def test_a_launcher_speaks_only_for_the_workers_of_its_node() -> None:
+    """Once the planner placed a worker (assign), another node's digest entries and exit
+    reports about it are refused: a forged goodbye or crash changes nothing."""
+    det, clock = make()
+    rng = random.Random(7)
+    nodes = [SimNode(det, clock, k, rng) for k in range(2)]
+    drive(clock, det, nodes, 2.0)
+    n0, n1 = nodes
+    victim = n0.worker(0)
+    for n in nodes:
+        det.assign("j1", n.node, [n.worker(j) for j in range(8)])
+    before = _state(det, victim)
+    real = n1._digest(clock.monotonic())
+    goodbye = real.entries[0].model_copy(update={"worker": victim, "pid": n0.pid(0), "phase": Phase.DONE})
+    assert det.observe_digest(real.model_copy(update={"entries": [*real.entries, goodbye]}))  # n1 is heard
+    [refusal] = det.take_refused()  # ... but not about n0's worker
+    assert (refusal.kind, refusal.worker) == ("node", victim) and "runs on n0" in refusal.reason
+    assert _state(det, victim) == before and ("j1", victim, n0.pid(0)) in set(det.tracked())
+    forged = exit_msg(victim, pid=n0.pid(0), sig=9, code=None).model_copy(update={"node": "n1"})
+    assert det.on_exit(forged) is None
+    [refusal] = det.take_refused()
+    assert refusal.kind == "node" and det.stats.refused_node == 2
+    assert drive(clock, det, nodes, 2.0) == []  # nobody judged
+    own = forged.model_copy(update={"node": "n0"})  # its own launcher: heard
+    failed = det.on_exit(own)
+    assert failed is not None and failed.worker == victim and det.take_refused() == []
+
+
 # -- mass silence --------------------------------------------------------------------------
 def test_a_mass_silence_is_held_and_nothing_is_published_when_the_ranks_come_back() -> None:
     det, clock = make(mass_hold_s=2.0)

@@ -66,6 +66,7 @@ from phalanx.natsauth import (
     worker_credentials,
 )
 from phalanx.proto import PARTIES
+from phalanx.proto import subject_matches as matches
 
 EXPECTED: dict[str, set[Subject]] = {
     "planner": {PLAN, DECISION, JOINED, SPAWN},
@@ -78,17 +79,6 @@ EXPECTED: dict[str, set[Subject]] = {
     "observer": set(),
     "admin": set(CATALOGUE),
 }
-
-
-def matches(pattern: str, subject: str) -> bool:
-    """NATS subject matching: ``*`` one token, ``>`` one or more at the end."""
-    p, s = pattern.split("."), subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(p) == len(s)
 
 
 def may_publish(perms: Permissions, subject: str) -> bool:
@@ -230,7 +220,7 @@ def test_generated_files(tmp_path: Path) -> None:
         assert f'"{value}"' in conf  # the password the server checks
     assert 'listen: "0.0.0.0:4222"' in conf and 'store_dir: "/data"' in conf
     block = NatsAuth.generate().render_config(authorization_only=True, store_dir="/data")
-    assert "authorization" in block and "listen" not in block and "jetstream" not in block  # to include
+    assert "accounts" in block and "listen" not in block and "store_dir" not in block  # to include
     a, b = NatsAuth.generate(), NatsAuth.generate()
     assert a.env("rank")[ENV_NATS_PASSWORD] != b.env("rank")[ENV_NATS_PASSWORD]  # random per deployment
 
@@ -265,9 +255,38 @@ def test_a_worker_heartbeats_and_reports_only_as_itself() -> None:
     assert may_publish(perms, "phalanx.hb.j1.w0")
     assert not may_publish(perms, "phalanx.hb.j1.w1") and not may_publish(perms, "phalanx.hb.j2.w0")
     assert may_publish(perms, "phalanx.err.rank-w0") and not may_publish(perms, "phalanx.err.rank-w1")
-    for event in (REGISTERED, ACK, COMM_ERROR, RECOVERED):  # the worker is in the payload, not the subject
-        assert may_publish(perms, event.format(job="j1")) and not may_publish(perms, event.format(job="j2"))
-    assert not may_publish(perms, PLAN.format(job="j1")) and not may_publish(perms, JOB_SPEC.format(job="j1"))
+    for event in (REGISTERED, ACK, COMM_ERROR, RECOVERED):  # the worker is in the subject: its own only
+        assert may_publish(perms, event.format(job="j1", worker="w0"))
+        assert not may_publish(perms, event.format(job="j1", worker="w1"))
+        assert not may_publish(perms, event.format(job="j2", worker="w0"))
+        assert not may_publish(perms, event.wildcard(job="j1"))
+    assert not may_publish(perms, PLAN.format(job="j1"))
+    assert not may_publish(perms, JOB_SPEC.format(job="j1", node="n1"))
+    assert not may_publish(perms, EXITED.format(job="j1", node="n1"))
+
+
+def test_a_nodes_launcher_speaks_only_for_its_node() -> None:
+    auth = NatsAuth.generate([], jobs={"j1": ["a-w0", "a-w1", "b-w0"]})
+    users = ["launcher@j1/a", "launcher@j1/b", "rank@j1/a-w0", "rank@j1/a-w1", "rank@j1/b-w0"]
+    assert sorted(auth.users) == users
+    perms = auth.credentials("launcher", "j1", node="a").permissions()
+    assert perms == permissions("launcher", job="j1", node="a")
+    for subject in (JOB_SPEC, EXITED, NODE_DIGEST):
+        assert may_publish(perms, subject.format(job="j1", node="a")), subject.pattern
+        assert not may_publish(perms, subject.format(job="j1", node="b")), subject.pattern
+        assert not may_publish(perms, subject.format(job="j2", node="a")), subject.pattern
+    # It is handed its own workers' logins only: never another node's.
+    env = auth.launcher_env("j1", "a")
+    assert env[ENV_NATS_USER] == "launcher@j1/a"
+    assert sorted(json.loads(env["PHALANX_NATS_WORKER_CREDENTIALS"])) == ["a-w0", "a-w1"]
+    with pytest.raises(ValueError, match="per-node"):
+        permissions("rank", job="j1", node="a")
+    # A one-node job (workers w0..): one launcher for the job; explicit nodes must hold every worker.
+    assert "launcher@j2" in NatsAuth.generate([], jobs={"j2": ["w0", "w1"]}).users
+    one = NatsAuth({}).with_job("j3", ["w0"], ["n"])
+    assert one.credentials("rank", "j3", "w0").node == "n" and "launcher@j3/n" in one.users
+    with pytest.raises(ValueError, match="on none of the nodes"):
+        NatsAuth({}).with_job("j4", ["a-w0", "c-w0"], ["a", "b"])
 
 
 @pytest.mark.parametrize("role", ["launcher", "rank"])
@@ -286,17 +305,19 @@ def test_a_jobs_user_follows_its_record_and_nothing_else_of_jetstream(role: str)
     perms = permissions(role, job="j1")
     key, other = "$KV.phalanx_jobs.j1.plan", "$KV.phalanx_jobs.j2.plan"
     kv = "KV_phalanx_jobs"
-    # its record: read (direct get: scoped; message get: what nats.py uses without direct gets)
+    # its record: read by a direct get that names the key, never by a message get (key in the body)
     assert may_publish(perms, f"$JS.API.STREAM.INFO.{kv}")
     assert may_publish(perms, f"$JS.API.DIRECT.GET.{kv}.{key}")
     assert not may_publish(perms, f"$JS.API.DIRECT.GET.{kv}.{other}")
-    assert may_publish(perms, f"$JS.API.STREAM.MSG.GET.{kv}")
-    # ... and watched: nats.py's ordered consumer (unnamed), or a named one on the key alone
-    assert may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}")
+    assert not may_publish(perms, f"$JS.API.DIRECT.GET.{kv}")  # the form with the subject in the body
+    assert not may_publish(perms, f"$JS.API.STREAM.MSG.GET.{kv}")
+    # ... and watched by a consumer named with the key (KeyWatch), never nats.py's unnamed one
     assert may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.w1.{key}")
+    assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}")
+    assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.w1")
     assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.w1.{other}")
     assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.w1.$KV.phalanx_jobs.>")
-    assert may_publish(perms, f"$JS.API.CONSUMER.INFO.{kv}.w1") and may_publish(perms, f"$JS.FC.{kv}.x.1")
+    assert not may_publish(perms, f"$JS.API.CONSUMER.INFO.{kv}.w1")  # nor another's watch consumer
     assert not may_publish(perms, f"$JS.API.CONSUMER.DURABLE.CREATE.{kv}.w1")
     assert not may_publish(perms, key) and not may_publish(perms, f"$JS.API.STREAM.PURGE.{kv}")
     # the event, command, scheduler and error streams: no reads, no consumers, no info
@@ -393,6 +414,12 @@ def test_the_launcher_gives_each_worker_its_own_login(
     assert (envs["w1"][ENV_NATS_USER], envs["w1"][ENV_NATS_PASSWORD]) == ("rank@j1", "pw")
     for e in envs.values():  # nobody else's credentials travel on
         assert not {ENV_WORKER_CREDENTIALS, ENV_RANK_USER, ENV_RANK_PASSWORD} & e.keys()
+    # A worker the deployment has no user for gets no login at all, never the launcher's
+    # (which speaks for the whole node: its exits and digests).
+    node_env = auth.launcher_env("j1")
+    launcher = Launcher(LaunchConfig(job="j1", cmd=["true"], nproc=2, env=node_env))
+    launcher.spawn("w7", WorkerRole.SPARE)
+    assert ENV_NATS_USER not in envs["w7"] and ENV_NATS_PASSWORD not in envs["w7"]
 
 
 def test_the_cli_writes_a_jobs_users(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -400,10 +427,10 @@ def test_the_cli_writes_a_jobs_users(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main([*args, "--job", "demo:node-a-w0,node-a-w1", "--job", "other"]) == 0
     envs = sorted(p.name for p in (tmp_path / "env").iterdir())
     services = ["admin", "detector", "observer", "planner", "policy", "replication", "scheduler"]
-    assert envs == sorted([*(f"{r}.env" for r in services), "launcher-demo.env", "launcher-other.env"])
+    assert envs == sorted([*(f"{r}.env" for r in services), "launcher-demo-node-a.env", "launcher-other.env"])
     conf = (tmp_path / "nats.conf").read_text()
     for user in (
-        "launcher@demo",
+        "launcher@demo/node-a",
         "rank@demo/node-a-w0",
         "rank@demo/node-a-w1",
         "launcher@other",
@@ -412,11 +439,12 @@ def test_the_cli_writes_a_jobs_users(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert f'user: "{user}"' in conf
     assert 'user: "rank"' not in conf and 'user: "launcher"' not in conf  # no user for every job
     lines = dict(
-        line.split("=", 1) for line in (tmp_path / "env" / "launcher-demo.env").read_text().splitlines()
+        line.split("=", 1)
+        for line in (tmp_path / "env" / "launcher-demo-node-a.env").read_text().splitlines()
     )
     table = json.loads(lines[ENV_WORKER_CREDENTIALS])
     assert sorted(table) == ["node-a-w0", "node-a-w1"] and f'"{table["node-a-w0"]["password"]}"' in conf
-    assert stat.S_IMODE((tmp_path / "env" / "launcher-demo.env").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "env" / "launcher-demo-node-a.env").stat().st_mode) == 0o600
     capsys.readouterr()
     assert main(["show", "rank", "--job", "demo", "--worker", "node-a-w0"]) == 0
     shown = json.loads(capsys.readouterr().out)

@@ -29,11 +29,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import DEFAULT_PREFIX, AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from phalanx.bus.subjects import ERROR, Subject, Transport, job_mismatch
+from phalanx.bus.subjects import BOUND_TOKENS, ERROR, Subject, Transport, sender_mismatch
 from phalanx.bus.topology import StreamSpec, ensure_topology
 from phalanx.schemas import DecodeError, ErrorEvent, Message, decode, encode
 from phalanx.settings import get_settings
@@ -141,11 +141,12 @@ def _subject_pattern(subject: str) -> str:
 
 def decode_on(raw: Msg, expected: tuple[type[Message], ...]) -> Message:
     """The message in ``raw``, checked against its subject: one of ``expected``, and
-    (for a job's subject) of that job. Raises :class:`DecodeError` with the reason."""
+    of the job, worker and node the subject names (:func:`sender_mismatch`). Raises
+    :class:`DecodeError` with the reason."""
     msg = decode(raw.data, raw.headers)
     if not isinstance(msg, expected):
         raise DecodeError(f"{raw.subject} does not carry {msg.KIND!r}", msg.KIND)
-    if (why := job_mismatch(raw.subject, msg)) is not None:
+    if (why := sender_mismatch(raw.subject, msg)) is not None:
         raise DecodeError(why, msg.KIND)
     return msg
 
@@ -321,9 +322,20 @@ class Bus:
         same ``Nats-Msg-Id`` for up to ``retry_for_s`` (a restart in between is then
         neither a loss nor a duplicate). ``traced=False`` is for periodic messages
         that belong to no incident (heartbeats, digests, step stats): no span, no context.
+
+        A job, worker or node token not given is the message's own (``ACK`` goes to
+        ``phalanx.evt.<job>.ack.<its worker>``): receivers refuse a message whose
+        payload names another than its subject (:func:`sender_mismatch`).
         """
         if not isinstance(msg, subject.message):
             raise TypeError(f"{subject.pattern} carries {subject.message.KIND}, not {msg.KIND}")
+        for name in BOUND_TOKENS:
+            if (
+                name in subject.params
+                and name not in tokens
+                and isinstance(v := getattr(msg, name, None), str)
+            ):
+                tokens[name] = v
         subj = subject.format(**tokens)
         payload, headers = encode(msg)
 
@@ -365,6 +377,9 @@ class Bus:
             except Exception as exc:
                 if self.denied.get(subj.lower(), -1.0) >= attempt:  # refused, not lost: no retry
                     raise PermissionDenied(f"the NATS server refused publishing to {subj}") from exc
+                if isinstance(exc, BadRequestError):  # the stream refused it (10054: over max_msg_size)
+                    self.log.error("publish_refused", subject=subj, size=len(payload), error=exc.description)
+                    raise
                 if loop.time() + delay > deadline or self._closing:
                     raise
                 self.log.warning("publish_retry", subject=subj, error=repr(exc))
@@ -482,7 +497,7 @@ class Bus:
         async def cb(raw: Msg) -> None:
             try:
                 msg = decode(raw.data, raw.headers, expected)
-                if (why := job_mismatch(raw.subject, msg)) is not None:
+                if (why := sender_mismatch(raw.subject, msg)) is not None:
                     raise DecodeError(why, msg.KIND)
             except DecodeError as err:
                 await self.report_bad_input(raw.subject, err)

@@ -96,16 +96,22 @@ NODE_DIGEST = Subject(
     "A node's launcher, every heartbeat interval: the node and each local worker's latest heartbeat.",
 )
 REGISTERED = Subject(
-    "phalanx.evt.{job}.registered", Registered, Transport.JETSTREAM, "A worker process is warm and ready."
+    "phalanx.evt.{job}.registered.{worker}",
+    Registered,
+    Transport.JETSTREAM,
+    "A worker process is warm and ready (sent by that worker only).",
 )
 EXITED = Subject(
-    "phalanx.evt.{job}.exited",
+    "phalanx.evt.{job}.exited.{node}",
     RankExited,
     Transport.JETSTREAM,
-    "The launcher saw a worker process end (fast crash path).",
+    "The launcher of the node running the worker saw its process end (fast crash path).",
 )
 COMM_ERROR = Subject(
-    "phalanx.evt.{job}.comm_error", CollectiveError, Transport.JETSTREAM, "A rank's collective raised."
+    "phalanx.evt.{job}.comm_error.{worker}",
+    CollectiveError,
+    Transport.JETSTREAM,
+    "A rank's collective raised (sent by that rank only).",
 )
 FAILED = Subject(
     "phalanx.evt.{job}.failed",
@@ -134,12 +140,17 @@ JOINED = Subject(
     Transport.JETSTREAM,
     "The planner's answer to a node's job spec: accepted (with the run id) or refused.",
 )
-ACK = Subject("phalanx.evt.{job}.ack", PlanAck, Transport.JETSTREAM, "A member acknowledged a plan.")
+ACK = Subject(
+    "phalanx.evt.{job}.ack.{worker}",
+    PlanAck,
+    Transport.JETSTREAM,
+    "A member acknowledged a plan (sent by that member only).",
+)
 RECOVERED = Subject(
-    "phalanx.evt.{job}.recovered",
+    "phalanx.evt.{job}.recovered.{worker}",
     RecoveryDone,
     Transport.JETSTREAM,
-    "A rank completed its first step in a new generation.",
+    "A rank completed its first step in a new generation (sent by that rank only).",
 )
 STEPS = Subject(
     "phalanx.evt.{job}.steps",
@@ -154,10 +165,10 @@ CHECKPOINT = Subject(
     "A checkpoint copy became complete, corrupt, deleted or failed in a tier, or served a restore.",
 )
 JOB_SPEC = Subject(
-    "phalanx.cmd.{job}.spec",
+    "phalanx.cmd.{job}.spec.{node}",
     JobSpec,
     Transport.JETSTREAM,
-    "A job's size limits, batch and workers, from its launcher.",
+    "A job's size limits, batch and workers, from the launcher of that node.",
 )
 PLAN = Subject(
     "phalanx.cmd.{job}.plan",
@@ -226,21 +237,73 @@ CATALOGUE: tuple[Subject, ...] = (
 def subject_job(subject: str) -> str | None:
     """The job a job-scoped subject names (``phalanx.<kind>.<job>...``), else None.
 
-    >>> subject_job("phalanx.evt.j1.comm_error")
+    >>> subject_job("phalanx.evt.j1.comm_error.w0")
     'j1'
     """
     m = _JOB_SCOPED.match(subject)
     return m.group(1) if m else None
 
 
-def job_mismatch(subject: str, msg: Message) -> str | None:
-    """Why ``msg`` may not travel on ``subject`` (its payload names another job), or None.
+Shape = tuple[Subject, list[tuple[int, str]], list[tuple[int, str]]]
 
-    Credentials are scoped by subject; a payload naming another job than its
-    subject would let a publisher allowed into one job act on another.
+
+def _shapes() -> dict[tuple[int, str], list[Shape]]:
+    """The catalogue by shape (number of tokens, second token): each pattern with the
+    positions of its constant tokens and of its parameters (a lookup per message)."""
+    out: dict[tuple[int, str], list[Shape]] = {}
+    for s in CATALOGUE:
+        parts = s.pattern.split(".")
+        fixed = [(i, p) for i, p in enumerate(parts) if not p.startswith("{")]
+        params = [(i, p[1:-1]) for i, p in enumerate(parts) if p.startswith("{")]
+        out.setdefault((len(parts), parts[1]), []).append((s, fixed, params))
+    return out
+
+
+_SHAPES = _shapes()
+
+# The tokens that name who a message speaks for: a payload field of the same name must agree.
+BOUND_TOKENS = ("job", "worker", "node")
+
+
+def subject_tokens(subject: str) -> tuple[Subject, dict[str, str]] | None:
+    """The catalogue subject ``subject`` is an instance of, and its tokens; None if none.
+
+    >>> s, tokens = subject_tokens("phalanx.evt.j1.ack.w0")
+    >>> s.pattern, tokens
+    ('phalanx.evt.{job}.ack.{worker}', {'job': 'j1', 'worker': 'w0'})
     """
-    job = subject_job(subject)
-    claimed = getattr(msg, "job", None)
-    if job is None or claimed is None or claimed == job:
+    parts = subject.split(".")
+    if len(parts) < 2:
         return None
-    return f"{msg.KIND} of job {claimed!r} on {subject} (job {job!r})"
+    for s, fixed, params in _SHAPES.get((len(parts), parts[1]), ()):
+        if all(parts[i] == p for i, p in fixed):
+            return s, {name: parts[i] for i, name in params}
+    return None
+
+
+def sender_mismatch(subject: str, msg: Message) -> str | None:
+    """Why ``msg`` may not travel on ``subject``, or None.
+
+    Credentials are scoped by subject: a job's users publish only on that job's
+    subjects, a worker's only on its own ``...<worker>`` subjects, a node's launcher
+    only on its own ``...<node>`` subjects (:mod:`phalanx.natsauth`). A payload that
+    names another job, worker or node than its subject would let a publisher allowed
+    to speak for one act for another, so every receiver refuses it as bad input
+    (:class:`phalanx.bus.Bus` does, for everything it decodes).
+
+    >>> from phalanx.schemas import PlanAck
+    >>> sender_mismatch("phalanx.evt.j1.ack.w1", PlanAck(job="j1", generation=1, worker="w0", rank=0))
+    "ack of worker 'w0' on phalanx.evt.j1.ack.w1 (worker 'w1')"
+    """
+    found = subject_tokens(subject)
+    if found is None:  # not in the catalogue: only the job, if the subject names one
+        job = subject_job(subject)
+        tokens = {} if job is None else {"job": job}
+    else:
+        tokens = found[1]
+    for name in BOUND_TOKENS:
+        claimed = getattr(msg, name, None)
+        token = tokens.get(name)
+        if token is not None and isinstance(claimed, str) and claimed != token:
+            return f"{msg.KIND} of {name} {claimed!r} on {subject} ({name} {token!r})"
+    return None

@@ -8,13 +8,47 @@ plan under ``<job>.plan``; it only moves forward by compare-and-set. The
 ``phalanx_cluster`` bucket holds the local cluster that ``phalanx cluster`` drives
 (one JSON record per cluster name, see :mod:`phalanx.cluster`); scheduler-signal
 watches it.
+
+**Limits.** Every stream and bucket is bounded (:func:`stream_limits`,
+:func:`bucket_limits`; the byte sizes are settings, ``PHALANX_EVT_MAX_BYTES``...),
+so no publisher -- one rank's credentials included -- can fill the server's store:
+
+- ``max_msg_size``: what the largest real message needs. An event is at most a
+  node's :class:`~phalanx.schemas.StepStats` (~60 B per step record) or an error
+  text of 4000 characters: 64 KiB. A plan is ~55 B per rank (900 KB for 16k
+  ranks, measured with msgpack), so PHALANX_CMD takes 4 MiB; a job record in
+  ``phalanx_jobs`` (plan and planner state) is ~100 B per rank (1.6 MB for 16k
+  ranks), hence ``PHALANX_KV_MAX_VALUE_SIZE`` 4 MiB. The server's ``max_payload``
+  caps all of these (1 MB by default and in deploy/: ~10k ranks; 2MB holds 16k).
+- ``max_msgs_per_subject`` (the newest kept) bounds what one sender can hold:
+  a rank publishes only on its own subjects (``phalanx.evt.<job>.ack.<worker>``,
+  ``registered``, ``comm_error``, ``recovered``, ``phalanx.err.rank-<worker>``), so a
+  flooding rank keeps at most 4 x 2048 x 64 KiB = 512 MiB in PHALANX_EVT (a quarter
+  of its 2 GiB) and 1024 x 64 KiB in PHALANX_ERR, and evicts only its own older
+  messages: a verdict published during a flood stays until it is consumed, and a
+  consumer that reads the flooder's subjects is never more than that many messages
+  behind. 2048 per subject keeps a job's newest 2048 decisions, verdicts and step
+  batches (~35 min of one node's steps at one batch a second).
+- ``max_bytes`` with ``discard: old`` on the streams: a new verdict, plan or error
+  is never refused, the oldest messages go first (retention by size as well as
+  age: events of a 16k-rank recovery are ~48k messages of ~300 B, 15 MB, so 2 GiB
+  keeps over a hundred such recoveries besides the step batches). Buckets keep
+  KV's ``discard: new`` (a write is refused when full, never an old record
+  dropped) and ``history`` 16 per key; ``phalanx_jobs`` at 1 GiB holds the full
+  history of ~40 16k-rank jobs, or of ~30k small ones (2 KB records).
+
+JetStream reserves each stream's ``max_bytes`` against the account when the stream
+is created, so the account's quota (:func:`account_max_file`, rendered into the
+server config by :mod:`phalanx.natsauth`) is never overcommitted and a bucket's
+space is there whatever the event streams hold: the planner's compare-and-set,
+the detector's verdicts and the checkpoint catalog cannot be starved.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -24,8 +58,11 @@ from nats.js.errors import BadRequestError
 from nats.js.kv import KeyValue
 
 from phalanx.settings import get_settings
+from phalanx.telemetry import get_logger
 
 DUPLICATE_WINDOW_S = 120.0
+
+_log = get_logger(component="topology")
 
 
 @dataclass(frozen=True)
@@ -34,19 +71,71 @@ class StreamSpec:
     subjects: tuple[str, ...]
     max_age_s: float
     description: str
+    max_msg_size: int = 64 << 10  # see the module docstring
 
 
 EVENTS = StreamSpec("PHALANX_EVT", ("phalanx.evt.>",), 7 * 86400, "Job events")
-COMMANDS = StreamSpec("PHALANX_CMD", ("phalanx.cmd.>",), 7 * 86400, "Plans and job specs")
+COMMANDS = StreamSpec("PHALANX_CMD", ("phalanx.cmd.>",), 7 * 86400, "Plans and job specs", 4 << 20)
 SCHED = StreamSpec("PHALANX_SCHED", ("phalanx.sched.>",), 86400, "Scheduler signals")
 ERRORS = StreamSpec("PHALANX_ERR", ("phalanx.err.>",), 7 * 86400, "Refused input")
 STREAMS = (EVENTS, COMMANDS, SCHED, ERRORS)
+# Plans: a job's newest 256 generations (and each node's spec); nothing else there.
+CMD_MAX_MSGS_PER_SUBJECT = 256
+# Signals are re-read from the stream's start at every election: keep a day's worth of
+# one cluster's (max_age), a signal every ~9 s; only the scheduler publishes there.
+SCHED_MAX_MSGS_PER_SUBJECT = 10_000
 
 JOBS_BUCKET = "phalanx_jobs"
 CLUSTER_BUCKET = "phalanx_cluster"
 CKPT_BUCKET = "phalanx_ckpt"  # every checkpoint copy's state, per tier (phalanx.checkpoint.catalog)
 BUCKETS = (JOBS_BUCKET, CLUSTER_BUCKET, CKPT_BUCKET)
+# Read with direct gets, whose API subject names the key (``$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>``):
+# what lets a job's users be allowed their own record only (phalanx.natsauth). Direct gets may be answered
+# by a follower that is behind (no read-your-writes): who compare-and-sets reads through leader_bucket().
+DIRECT_BUCKETS = (JOBS_BUCKET,)
 BUCKET_HISTORY = 16
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one stream or bucket may hold (per replica)."""
+
+    max_bytes: int
+    max_msg_size: int
+    max_msgs_per_subject: int
+
+
+def stream_limits(spec: StreamSpec) -> Limits:
+    """``spec``'s limits: byte sizes and per-subject counts from the settings."""
+    s = get_settings()
+    max_bytes, per_subject = {
+        EVENTS.name: (s.evt_max_bytes, s.evt_max_msgs_per_subject),
+        COMMANDS.name: (s.cmd_max_bytes, CMD_MAX_MSGS_PER_SUBJECT),
+        SCHED.name: (s.sched_max_bytes, SCHED_MAX_MSGS_PER_SUBJECT),
+        ERRORS.name: (s.err_max_bytes, s.err_max_msgs_per_subject),
+    }[spec.name]
+    return Limits(max_bytes, spec.max_msg_size, per_subject)
+
+
+def bucket_limits(bucket: str) -> Limits:
+    """``bucket``'s limits (a value is a message; per key: :data:`BUCKET_HISTORY`)."""
+    s = get_settings()
+    max_bytes = {
+        JOBS_BUCKET: s.jobs_kv_max_bytes,
+        CLUSTER_BUCKET: s.cluster_kv_max_bytes,
+        CKPT_BUCKET: s.ckpt_kv_max_bytes,
+    }[bucket]
+    return Limits(max_bytes, s.kv_max_value_size, BUCKET_HISTORY)
+
+
+def account_max_file(replicas: int = 1) -> int:
+    """The JetStream file-store quota of the account every Phalanx user is in: the sum
+    of every stream's and bucket's ``max_bytes`` times ``replicas``, plus an eighth
+    for what is not a stream's messages (consumers' state, the raft logs of a cluster)."""
+    total = sum(stream_limits(s).max_bytes for s in STREAMS) + sum(
+        bucket_limits(b).max_bytes for b in BUCKETS
+    )
+    return total * replicas * 9 // 8
 
 
 def stream_replicas() -> int:
@@ -55,15 +144,45 @@ def stream_replicas() -> int:
 
 
 async def ensure_bucket(js: JetStreamContext, bucket: str, replicas: int | None = None) -> KeyValue:
-    """The KV ``bucket``, created (history :data:`BUCKET_HISTORY`) if it does not exist."""
+    """The KV ``bucket``, created (history :data:`BUCKET_HISTORY`) if it does not exist.
+
+    The buckets of :data:`DIRECT_BUCKETS` are created with direct gets, and an existing
+    one without them is given them (a stream update: the planner's or admin's right;
+    anyone else's attempt is refused and left to the planner's next start).
+    """
     try:
-        return await js.key_value(bucket)
+        kv = await js.key_value(bucket)
     except Exception:
+        limits = bucket_limits(bucket)
         return await js.create_key_value(
             bucket=bucket,
             history=BUCKET_HISTORY,
+            max_bytes=limits.max_bytes,
+            max_value_size=limits.max_msg_size,
             replicas=stream_replicas() if replicas is None else replicas,
+            direct=bucket in DIRECT_BUCKETS,
         )
+    if bucket in DIRECT_BUCKETS:
+        await _allow_direct(js, bucket)
+    return kv
+
+
+async def _allow_direct(js: JetStreamContext, bucket: str) -> None:
+    """Turn direct gets on for an existing ``bucket`` (one made before they were used)."""
+    info = await js.stream_info(f"KV_{bucket}")
+    if not info.config.allow_direct:
+        await _update(js, info.config.evolve(allow_direct=True))
+
+
+async def leader_bucket(js: JetStreamContext, bucket: str) -> KeyValue:
+    """``bucket`` with every get answered by its stream's leader (``STREAM.MSG.GET``).
+
+    A direct get may be answered by a follower that is behind (NATS promises monotonic
+    reads, not read-your-writes), so whoever reads a key to compare-and-set it (the
+    planner, its lease) reads through this; followers of a record use direct gets.
+    """
+    await js.key_value(bucket)  # BucketNotFoundError as from js.key_value
+    return KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=js, direct=False)
 
 
 async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> None:
@@ -74,6 +193,7 @@ async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> 
     if replicas is None:
         replicas = stream_replicas()
     for spec in STREAMS:
+        limits = stream_limits(spec)
         cfg = StreamConfig(
             name=spec.name,
             description=spec.description,
@@ -82,18 +202,43 @@ async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> 
             storage=StorageType.FILE,
             max_age=spec.max_age_s,
             duplicate_window=DUPLICATE_WINDOW_S,
+            # A new verdict, plan or error is never refused: the oldest go first
+            # (per subject, then by size; see the module docstring).
             discard=DiscardPolicy.OLD,
             num_replicas=replicas,
+            **asdict(limits),
         )
         try:
             await js.add_stream(cfg)
         except BadRequestError as exc:
-            # 10058: a stream of that name exists with another config -> update it.
+            # 10058: a stream of that name exists with another config (an older
+            # version's, e.g. without limits) -> update it.
             if exc.err_code != 10058:
                 raise
-            await js.update_stream(cfg)
+            await _update(js, cfg)
     for bucket in BUCKETS:
         await ensure_bucket(js, bucket, replicas)
+        await _limit_bucket(js, bucket)
+
+
+async def _update(js: JetStreamContext, cfg: StreamConfig) -> None:
+    """Update a stream's configuration: the planner's and admin's right. Anyone else's
+    attempt is refused (a permissions violation: a timeout here) and logged; the
+    stream keeps its configuration until the planner's next start."""
+    try:
+        await js.update_stream(cfg)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+        _log.warning("stream_config_outdated", stream=cfg.name, error=repr(exc))
+
+
+async def _limit_bucket(js: JetStreamContext, bucket: str) -> None:
+    """Give an existing ``bucket`` (one made without them, or with others) its limits."""
+    limits = bucket_limits(bucket)
+    info = await js.stream_info(f"KV_{bucket}")
+    cfg = info.config
+    if (cfg.max_bytes, cfg.max_msg_size) == (limits.max_bytes, limits.max_msg_size):
+        return
+    await _update(js, cfg.evolve(max_bytes=limits.max_bytes, max_msg_size=limits.max_msg_size))
 
 
 async def kv_latest(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from phalanx.cli._common import (
     server_url,
     settings,
 )
+from phalanx.natsauth import ENV_NATS_ENV_FILE, read_env_file
 from phalanx.schemas import Elastic, LrRule
 
 if TYPE_CHECKING:  # imports torch: only when a job is launched
@@ -316,6 +318,11 @@ def run_command(
         raise Failed("a job that may span nodes needs --node-id (unique per node)")
     if max_nodes > 1 and not job:
         raise Failed("every node of a multi-node job must name it with --job")
+    if env_file := os.environ.get(ENV_NATS_ENV_FILE):  # this node's logins, from a file
+        try:
+            os.environ.update(read_env_file(env_file))
+        except (OSError, ValueError) as exc:
+            raise Failed(f"{ENV_NATS_ENV_FILE}={env_file}: {exc}") from None
     explicit = bool(rdzv_endpoint) or "nats_url" in settings().model_fields_set
     private = not explicit and not _plain_default_available()
     if private and max_nodes > 1:

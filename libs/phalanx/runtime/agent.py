@@ -106,6 +106,7 @@ class Agent:
                 launch=self.launch,
             ),
             job=self.status.job,
+            worker=self.status.worker,
             msg_id=f"{self.status.job}:{self.status.worker}:{os.getpid()}:registered",
         )
         # Heartbeats after the registration: the detector takes them from this pid only.
@@ -191,7 +192,7 @@ class Agent:
         rank = plan.rank_of(self.status.worker)
         if rank is not None and self._bus is not None:
             ack = PlanAck(job=plan.job, generation=plan.generation, worker=self.status.worker, rank=rank)
-            asyncio.get_running_loop().create_task(self._publish_quietly(ACK, ack, plan.job))
+            asyncio.get_running_loop().create_task(self._publish_quietly(ACK, ack, plan.job, ack.worker))
 
     def _cut_lost_hosts(self, plan: Plan) -> None:
         """Release a collective blocked on a node that was cut off (see :mod:`.sever`)."""
@@ -203,10 +204,10 @@ class Agent:
                 "connections_cut", hosts=sorted(hosts), connections=cut, generation=plan.generation
             )
 
-    async def _publish_quietly(self, subject: Subject, msg: Message, job: str) -> None:
+    async def _publish_quietly(self, subject: Subject, msg: Message, job: str, worker: str) -> None:
         try:
             assert self._bus is not None
-            await self._bus.publish(subject, msg, job=job)
+            await self._bus.publish(subject, msg, job=job, worker=worker)
         except Exception as exc:
             self.log.warning("publish_failed", subject=subject.pattern, error=repr(exc))
 

@@ -7,6 +7,21 @@ training rank, which could die with it). Each generation gets its own
 never confuse a new one, and a standalone ``ProcessGroupGloo`` wrapped in a
 ``ProcessGroup`` -- no default group, no ``init_process_group``.
 
+The store has no authentication (torch's ``TCPStore`` protocol has none), and
+whoever reaches its port may connect. What keeps a non-member out of a
+generation is :func:`generation_store`: every key of the generation (arrivals,
+gloo's and NCCL's bootstrap addresses and ids) lives under the plan's
+``store_secret``, which only the job's users and the services can read (the
+job's KV record and plan subject, :mod:`phalanx.natsauth`), and the protocol
+has no operation that lists keys, so a client with the address and the
+``store_prefix`` but not the secret can neither see those keys nor plant one
+the members would read (a forged arrival, a forged peer address). It does not
+protect the store process: anyone who reaches the port can still fill it with
+keys of their own or flood it with connections (that is out of scope here:
+keep the port to the cluster network). The secret stays out of logs and error
+messages: those name ``store_prefix``, and a key torch names in an error is
+shown from its prefix on (``<secret>/j1/gen2/pg/0``).
+
 Devices (:func:`backend_for` is the one place that picks a backend): gloo is
 always registered, for CPU tensors (step counters, the state header and
 metadata, barriers). With a CUDA ``device`` a ``ProcessGroupNCCL`` is registered
@@ -61,6 +76,7 @@ for the store or NCCL bootstrap timeouts.)
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
@@ -122,6 +138,23 @@ def host_store(host: str = "127.0.0.1", port: int = 0, sock: socket.socket | Non
         raise
     sock.detach()  # the store serves on this fd from now on: Python must not close it
     return store
+
+
+def generation_store(store: dist.Store, secret: str) -> dist.Store:
+    """The keys of one generation: ``store`` under the plan's ``store_secret``.
+
+    Every member wraps the launcher's store the same way, so they meet; a client
+    without the secret finds nothing there. An empty secret (a plan of a planner
+    from before it) leaves the keys under ``store_prefix`` alone, as they were.
+    """
+    return dist.PrefixStore(secret, store) if secret else store
+
+
+def _scrubbed(error: BaseException, prefix: str) -> str:
+    """``error``'s text without what a store key holds before ``prefix``: torch names a
+    key it waited for in full (``wait timeout after 2000ms, keys: /<secret>/j/gen2/pg/0/1``),
+    and the generation's secret must not reach a log line or an event."""
+    return re.sub(rf"[A-Za-z0-9_-]+/(?={re.escape(prefix)}/)", "<secret>/", str(error))
 
 
 def arrival_barrier(
@@ -236,7 +269,7 @@ class Communicator:
             else:
                 backend = dist.ProcessGroupGloo(pstore, rank, world_size, self.timeout)
         except Exception as exc:  # DistStoreError, gloo connect errors
-            raise CommError(f"building process group {prefix}: {exc}") from exc
+            raise CommError(f"building process group {prefix}: {_scrubbed(exc, prefix)}") from None
         pg = dist.ProcessGroup(pstore, rank, world_size)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
         pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)  # barriers and the like: gloo
@@ -250,7 +283,8 @@ class Communicator:
             except Exception as exc:
                 if nccl is not None:
                     _abort_quietly(nccl, prefix)
-                raise CommError(f"building the NCCL group {prefix} on {self.device}: {exc}") from exc
+                error = _scrubbed(exc, prefix)
+                raise CommError(f"building the NCCL group {prefix} on {self.device}: {error}") from None
         self._backend: dist.ProcessGroupGloo | None = backend
         self._nccl: C10dBackend | None = nccl
         self._pg: dist.ProcessGroup | None = pg
@@ -314,7 +348,7 @@ class Communicator:
                 raise CommError(f"communicator {self.prefix} was aborted during the op")
             return
         except Exception as exc:
-            msg = f"{what} on {self.prefix} failed: {exc}"
+            msg = f"{what} on {self.prefix} failed: {_scrubbed(exc, self.prefix)}"
         # The Work object and a chained traceback would keep the group (and its
         # sockets) alive; peers blocked on us are only released once it is gone.
         work = None

@@ -60,7 +60,7 @@ _ANC_SIZE = socket.CMSG_SPACE(_CREDS.size)
 _MAX_DATAGRAM = 65536
 _HB_HEADERS = headers_for(Heartbeat)
 STEPS_INTERVAL_S = 1.0
-_STEPS_PER_MSG = 4096  # StepStats.steps' bound
+_STEPS_PER_MSG = 256  # ~170 B each at most: a batch stays under PHALANX_EVT's max_msg_size (64 KiB)
 _STEPS_KEPT = 16 * _STEPS_PER_MSG  # kept while NATS is away; the oldest go first
 
 

@@ -4,9 +4,11 @@ The plan lives in the job's KV record (``phalanx_jobs``, key ``<job>.plan``, a
 :class:`~phalanx.schemas.JobRecord`). A :class:`PlanFollower` hands every plan
 it sees to one callback, from three sources:
 
-- a KV watch of the record: it replays the latest value when it starts, and it
-  is started again after every reconnect (nats.py's ordered consumer only
-  notices a lost server after its idle heartbeats, seconds later);
+- a KV watch of the record (:class:`~phalanx.bus.keywatch.KeyWatch`: a consumer
+  named with the record's key, the only watch a job's users are allowed): it
+  replays the latest value when it starts, and it is started again after every
+  reconnect and whenever it may have missed a value (it only notices a lost
+  server after its idle heartbeats, seconds later);
 - a re-read of the record every ``poll_s`` while :attr:`PlanFollower.eager` is set
   (a rank waiting for a plan), the backstop if the watch itself stalls;
 - the plan subject ``phalanx.cmd.<job>.plan``, which the planner re-publishes
@@ -31,6 +33,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from phalanx.bus import JOBS_BUCKET, Bus
+from phalanx.bus.keywatch import KeyWatch
 from phalanx.bus.subjects import PLAN
 from phalanx.schemas import DecodeError, JobRecord, Plan, decode, headers_for
 from phalanx.telemetry import get_logger
@@ -94,6 +97,7 @@ class PlanFollower:
             return
         except Exception as exc:  # no bucket yet, NATS away: the watch or the next read gets it
             self.log.debug("record_unreadable", error=repr(exc))
+            self._kv = None  # looked up again: the bucket may have gained direct gets since
             return
         self._take(entry.value)
 
@@ -114,7 +118,9 @@ class PlanFollower:
             try:
                 # Not cancelled half-way: a watch whose subscription exists but was never
                 # returned could not be stopped, and would hold up the connection's drain.
-                starting = asyncio.ensure_future((await self._bucket()).watch(record_key(self.job)))
+                starting = asyncio.ensure_future(
+                    KeyWatch.start(self.bus.nc, JOBS_BUCKET, record_key(self.job))
+                )
                 try:
                     watcher = await asyncio.shield(starting)
                 except asyncio.CancelledError:
@@ -122,11 +128,11 @@ class PlanFollower:
                         await (await starting).stop()
                     raise
                 async for entry in watcher:
-                    if entry is not None and entry.operation is None:
+                    if entry.operation is None:
                         self._take(entry.value)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # NATS away, bucket not there yet: try again shortly
+            except Exception as exc:  # NATS away, no bucket yet, WatchLost: watch again shortly
                 self.log.debug("watch_failed", error=repr(exc))
             finally:
                 if watcher is not None:

@@ -246,7 +246,7 @@ class Launcher:
         for attempt in itertools.count():
             self._joined = self._loop.create_future()
             msg_id = f"{self.job}:spec:{self.id}:{attempt}"
-            await self.bus.publish(JOB_SPEC, spec, job=self.job, msg_id=msg_id)
+            await self.bus.publish(JOB_SPEC, spec, job=self.job, node=self.node, msg_id=msg_id)
             try:
                 joined = await asyncio.wait_for(self._joined, cfg.join_timeout_s)
             except TimeoutError:
@@ -313,9 +313,15 @@ class Launcher:
         # (PHALANX_NATS_WORKER_CREDENTIALS, see phalanx.natsauth), else as the rank user.
         rank_user = env.pop("PHALANX_NATS_RANK_USER", None)
         rank_password = env.pop("PHALANX_NATS_RANK_PASSWORD", None)
+        own = worker_credentials(env.pop(ENV_WORKER_CREDENTIALS, None), name)
         if rank_user:
             env["PHALANX_NATS_USER"], env["PHALANX_NATS_PASSWORD"] = rank_user, rank_password or ""
-        env.update(worker_credentials(env.pop(ENV_WORKER_CREDENTIALS, None), name))
+        elif not own and env.pop("PHALANX_NATS_USER", None) is not None:
+            # No login for this worker (a name the deployment did not render a user
+            # for): never the launcher's own, which speaks for the whole node.
+            env.pop("PHALANX_NATS_PASSWORD", None)
+            self.log.error("no_nats_login_for_worker", worker=name)
+        env.update(own)
         if cfg.nats_url:
             env["NATS_URL"] = cfg.nats_url
         out: int | None = None
@@ -373,6 +379,7 @@ class Launcher:
         event = RankExited(
             job=self.job,
             worker=w.name,
+            node=self.node,
             pid=w.proc.pid,
             host=socket.gethostname(),
             exit_code=rc if rc >= 0 else None,
@@ -383,7 +390,11 @@ class Launcher:
         if not self._done.is_set():
             with contextlib.suppress(Exception):  # cut off from NATS: the detector hears the silence
                 await self.bus.publish(
-                    EXITED, event, job=self.job, msg_id=f"{self.job}:{w.name}:{w.proc.pid}:exit"
+                    EXITED,
+                    event,
+                    job=self.job,
+                    node=self.node,
+                    msg_id=f"{self.job}:{w.name}:{w.proc.pid}:exit",
                 )
         self._check_done()
 

@@ -50,7 +50,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from phalanx.bus.subjects import COMM_ERROR, RECOVERED
-from phalanx.runtime.comm import CommError, Communicator, Superseded, arrival_barrier
+from phalanx.runtime.comm import CommError, Communicator, Superseded, arrival_barrier, generation_store
 from phalanx.runtime.job import Job
 from phalanx.runtime.state import checksum, pack, recv_state, send_state
 from phalanx.schemas import CollectiveError, Phase, Plan, RecoveryDone, Role
@@ -247,6 +247,7 @@ class Session:
                     launch=self.job.agent.launch,
                 ),
                 job=self.job.job,
+                worker=self.job.worker,
             )
         self._join(rec, restore, first=False)
 
@@ -320,7 +321,7 @@ class Session:
             try:
                 self.job.faults.fire(self.job.worker, "recovery", plan.generation)
                 t = time.time()
-                store = self.job.store_at(plan.store_addr)
+                store = generation_store(self.job.store_at(plan.store_addr), plan.store_secret)
                 arrival_barrier(
                     store,
                     plan.store_prefix,
@@ -466,6 +467,7 @@ class Session:
                 phases_ms=phases_ms,
             ),
             job=self.job.job,
+            worker=self.job.worker,
         )
 
 

@@ -98,6 +98,12 @@ class RankExited(JobMessage):
 
     KIND = "rank_exited"
     worker: WorkerId
+    node: str = Field(
+        default="local",
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="The node whose launcher saw it (the subject's node; must run the worker).",
+    )
     pid: int
     host: str
     exit_code: int | None = None
@@ -387,6 +393,16 @@ class Plan(JobMessage):
     incident: str | None = None
     reason: str
     store_prefix: str = Field(description="Rendezvous prefix, unique per generation.")
+    store_secret: str = Field(
+        default="",
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_-]*$",
+        repr=False,
+        description="This generation's rendezvous secret: members keep their store keys under it, so"
+        " whoever learns store_addr and store_prefix but not the plan cannot read or write them."
+        " Random per generation; only the job's users and the services can read a plan. Never logged."
+        " Empty: a plan of a planner from before it (keys under store_prefix alone).",
+    )
     store_addr: str = Field(
         default="", max_length=300, description="host:port of the store this generation meets on."
     )
@@ -504,7 +520,7 @@ class RecoveryDone(JobMessage):
     phases_ms: dict[str, float]
 
 
-CopyState = Literal["complete", "corrupt", "deleted", "failed", "served"]
+CopyState = Literal["complete", "corrupt", "deleted", "failed", "served", "skipped"]
 
 
 class CheckpointEvent(JobMessage):
@@ -513,7 +529,8 @@ class CheckpointEvent(JobMessage):
     ``state``: ``complete`` (the copy and its manifest are there), ``corrupt`` (its
     bytes fail the manifest's checksums; it is being repaired), ``deleted``
     (retention), ``failed`` (a write or fetch did not finish; ``detail`` says why),
-    ``served`` (a restore read it: ``tier`` says from where).
+    ``served`` (a restore read it: ``tier`` says from where), ``skipped`` (a rank's save
+    of ``step`` was not taken: every slot held, or no room in shared memory; ``detail``).
     """
 
     KIND = "checkpoint"

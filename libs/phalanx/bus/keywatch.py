@@ -1,0 +1,170 @@
+"""Watching one KV key through a consumer whose create request names the key.
+
+nats.py's ``KeyValue.watch`` creates an unnamed ordered consumer: its API subject
+(``$JS.API.CONSUMER.CREATE.<stream>``) carries no filter, the key is in the request
+body, so NATS permissions cannot tell one key from another, and whoever may watch
+one key of a bucket may watch them all. A :class:`KeyWatch` creates a named consumer
+through the subject that carries the filter,
+``$JS.API.CONSUMER.CREATE.KV_<bucket>.<name>.$KV.<bucket>.<key>`` (nats-server >=
+2.9, which refuses a body whose filter differs from the subject's, and a body with
+several filters), so a user can be allowed exactly its own key (see
+:mod:`phalanx.natsauth`). The request is sent here rather than through nats.py's
+``add_consumer``, which picks that form from a server-version check of its own.
+
+The watch delivers the key's latest value first (``deliver_policy``
+``last_per_subject``), then every later one. It is push-delivered with idle
+heartbeats and no acknowledgements; instead of re-creating its consumer from the
+next sequence as nats.py's ordered consumer does (which, for a named consumer, the
+server refuses as a change of its start), a gap in the consumer's sequence, a
+heartbeat that says a message was missed, a status other than a heartbeat, or no
+heartbeat for :data:`MISSED_HEARTBEATS` intervals ends the watch with
+:class:`WatchLost`. The caller starts a new one, which replays the latest value:
+all a follower of one record needs::
+
+    watch = await KeyWatch.start(bus.nc, JOBS_BUCKET, "j1.plan")
+    try:
+        async for entry in watch:
+            ...
+    finally:
+        await watch.stop()
+
+The consumer's name is random and the request says ``"action": "create"``, so no
+one can update (redirect) another's watch; it is removed by the server
+``inactive_s`` after its subscription is gone (the watcher needs no delete right).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError, ServiceUnavailableError
+from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
+
+JS_API = "$JS.API"
+MISSED_HEARTBEATS = 3
+
+
+class WatchLost(Exception):
+    """The watch may have missed a value: start a new one (it replays the latest)."""
+
+
+def _operation(msg: Msg) -> str | None:
+    """``DEL`` / ``PURGE`` for a deletion (a client's or the server's marker), else None."""
+    headers = msg.headers or {}
+    if KV_OP in headers:
+        return headers[KV_OP]
+    reason = headers.get(KV_MARKER_REASON)
+    if reason is None:
+        return None
+    return KV_DEL if reason == "Remove" else KV_PURGE
+
+
+class KeyWatch:
+    """One key of a bucket, watched: its current value first, then every later one."""
+
+    def __init__(self, sub: Subscription, bucket: str, key: str, consumer: str, heartbeat_s: float) -> None:
+        self._sub = sub
+        self.bucket = bucket
+        self.key = key
+        self.consumer = consumer
+        self.heartbeat_s = heartbeat_s
+        self._delivered = 0  # the consumer sequence of the last value handed out
+
+    @classmethod
+    async def start(
+        cls,
+        nc: NATS,
+        bucket: str,
+        key: str,
+        *,
+        heartbeat_s: float = 2.0,
+        inactive_s: float = 30.0,
+        timeout_s: float = 5.0,
+    ) -> KeyWatch:
+        """Create the consumer and its subscription. A refused create (no permission)
+        is a ``nats.errors.TimeoutError``; a bucket that is not there, an ``APIError``."""
+        stream, subject = f"KV_{bucket}", f"$KV.{bucket}.{key}"
+        name = f"watch_{secrets.token_hex(8)}"
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)  # before the consumer: its first delivery cannot be missed
+        config = ConsumerConfig(
+            name=name,
+            deliver_subject=inbox,
+            filter_subject=subject,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            ack_policy=AckPolicy.NONE,
+            max_deliver=1,
+            idle_heartbeat=heartbeat_s,
+            inactive_threshold=inactive_s,
+            num_replicas=1,
+            mem_storage=True,
+        )
+        request = {"stream_name": stream, "config": config.as_dict(), "action": "create"}
+        try:
+            reply = await nc.request(
+                f"{JS_API}.CONSUMER.CREATE.{stream}.{name}.{subject}",
+                json.dumps(request).encode(),
+                timeout=timeout_s,
+            )
+            answer = json.loads(reply.data)
+            if "error" in answer:
+                APIError.from_error(answer["error"])  # raises
+        except nats.errors.NoRespondersError:
+            await sub.unsubscribe()
+            raise ServiceUnavailableError from None
+        except BaseException:
+            await sub.unsubscribe()
+            raise
+        return cls(sub, bucket, key, name, heartbeat_s)
+
+    def __aiter__(self) -> KeyWatch:
+        return self
+
+    async def __anext__(self) -> KeyValue.Entry:
+        """The next value (or deletion: ``operation`` set) of the key, as it arrives."""
+        while True:
+            try:
+                msg = await self._sub.next_msg(timeout=self.heartbeat_s * MISSED_HEARTBEATS)
+            except nats.errors.TimeoutError:
+                raise WatchLost(
+                    f"{self.bucket}/{self.key}: nothing, not even a heartbeat, for "
+                    f"{self.heartbeat_s * MISSED_HEARTBEATS:g}s"
+                ) from None
+            headers = msg.headers or {}
+            status = headers.get("Status")
+            if status is not None and not msg.data:
+                if status != "100" or msg.reply:  # 100 with a reply: flow control, never asked for
+                    raise WatchLost(
+                        f"{self.bucket}/{self.key}: status {status} {headers.get('Description', '')}"
+                    )
+                last = int(headers.get("Nats-Last-Consumer", self._delivered) or 0)
+                if last != self._delivered:
+                    raise WatchLost(
+                        f"{self.bucket}/{self.key}: the server sent {last}, {self._delivered} arrived"
+                    )
+                continue
+            meta = msg.metadata
+            if meta.sequence.consumer != self._delivered + 1:
+                raise WatchLost(
+                    f"{self.bucket}/{self.key}: delivery {meta.sequence.consumer} after {self._delivered}"
+                )
+            self._delivered = meta.sequence.consumer
+            return KeyValue.Entry(
+                bucket=self.bucket,
+                key=self.key,
+                value=msg.data,
+                revision=meta.sequence.stream,
+                delta=meta.num_pending,
+                created=None,
+                operation=_operation(msg),
+            )
+
+    async def stop(self) -> None:
+        """Unsubscribe; the server removes the consumer once it has had no interest for ``inactive_s``."""
+        await self._sub.unsubscribe()

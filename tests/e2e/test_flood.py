@@ -1,0 +1,177 @@
+"""One rank's credentials flooding the bus while another rank is SIGKILLed.
+
+The whole stack with NATS authorization on (``LocalStack(auth=True)``, the job's own
+users as in test_auth_stack.py). A separate process logged in as ``rank@flood/w0``
+(tests/workers/flooder.py) publishes as fast as it can, for 30 s from before the job
+starts, on every subject that user may publish to -- its JetStream events and error
+subject, its core heartbeat subject, the JetStream API subjects it may use -- with
+payloads just under PHALANX_EVT's ``max_msg_size`` and just under the server's
+``max_payload``. During the flood, once the flooder has sent more than the streams
+would keep of it, ``w1`` is killed (SIGKILL, at step 5); the spare
+``w3`` replaces it and the job completes, the planner's compare-and-set writes all
+succeed (its log shows no failed write), and the server's store stays within the
+limits (phalanx.bus.topology): each stream within its ``max_bytes``, each of the
+flooder's subjects within ``max_msgs_per_subject``, the account within its quota.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from phalanx.bus._connection import inbox_prefix
+from phalanx.bus.topology import STREAMS, account_max_file, stream_limits
+from phalanx.localstack import LocalStack
+from phalanx.natsauth import ENV_WORKER_CREDENTIALS, NatsAuth
+from phalanx.schemas import Action
+from tests.e2e.conftest import SMALL_GPT, STEPS, stack_env
+from tests.e2e.test_recovery import actions
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = "flood"
+WORKERS = ["w0", "w1", "w2", "w3"]  # 3 ranks and 1 spare on one node
+FLOODER = "w0"
+FLOOD_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def flood_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    services = ("failure-detector", "elasticity-planner")
+    with LocalStack(
+        tmp_path_factory.mktemp("floodstack"), services=services, env=stack_env(tmp_path_factory), auth=True
+    ) as s:
+        yield s
+
+
+async def _store(url: str, auth: NatsAuth, flooded: list[str]) -> dict[str, object]:
+    """Each stream's bytes and limits, the flooder's subjects' message counts, the account's usage."""
+    admin = auth.credentials("admin")
+    nc = await nats.connect(
+        url, user=admin.user, password=admin.password, inbox_prefix=inbox_prefix(admin.user)
+    )
+    try:
+        js = nc.jetstream()
+        streams, counts = {}, {}
+        for spec in STREAMS:
+            info = await js.stream_info(spec.name, subjects_filter=">")
+            streams[spec.name] = (info.state.bytes, info.config.max_bytes, info.config.max_msgs_per_subject)
+            counts.update({s: n for s, n in (info.state.subjects or {}).items() if s in flooded})
+        account = await js.account_info()
+        return {
+            "streams": streams,
+            "counts": counts,
+            "used": account.storage,
+            "quota": account.limits.max_storage,
+        }
+    finally:
+        await nc.close()
+
+
+def test_a_flooding_rank_neither_stops_a_recovery_nor_fills_the_store(
+    flood_stack: LocalStack, corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stack = flood_stack
+    assert stack.auth is not None and stack.server is not None
+    others = {u: c for u, c in stack.auth.users.items() if c.role not in ("rank", "launcher")}
+    auth = NatsAuth(others).with_job(JOB, WORKERS)
+    auth.write_config(stack.workdir / "nats.conf", listen=None)  # where LocalStack wrote it
+    stack.server.reload()
+    stack_env_of = stack.role_env
+    job_env = {"launcher": auth.env("launcher", JOB), "rank": {}}  # ranks: each its own, from the launcher
+    monkeypatch.setattr(
+        stack, "role_env", lambda role: job_env[role] if role in job_env else stack_env_of(role)
+    )
+
+    perms = auth.credentials("rank", JOB, FLOODER).permissions()
+    out = tmp_path / "flood.json"
+    flooder = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.workers.flooder",
+            "--url",
+            stack.url,
+            "--job",
+            JOB,
+            "--subjects",
+            json.dumps({"allow": perms.publish_allow, "deny": perms.publish_deny}),
+            "--seconds",
+            str(FLOOD_S),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env={**os.environ, **auth.env("rank", JOB, FLOODER)},
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "flooder.log", "wb"),
+    )
+    try:
+        deadline = time.monotonic() + 60.0
+        while not out.with_suffix(".ready").exists():  # subscribed to the plans: the job may start
+            assert flooder.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "flooder.log"
+            ).read_text()
+            time.sleep(0.1)
+        cmd = [
+            sys.executable,
+            "-m",
+            "examples.train_gpt",
+            "--steps",
+            str(STEPS),
+            "--data",
+            str(corpus),
+            *SMALL_GPT,
+        ]
+        handed = {k: v for k, v in auth.launcher_env(JOB).items() if k == ENV_WORKER_CREDENTIALS}
+        result = stack.run_job(
+            JOB, cmd, nproc=3, spares=1, faults="kill:w1@step=5", global_batch=12, timeout_s=300.0, env=handed
+        )
+        assert flooder.wait(timeout=FLOOD_S + 120.0) == 0, (tmp_path / "flooder.log").read_text()
+    finally:
+        if flooder.poll() is None:
+            flooder.kill()
+            flooder.wait()
+    report = json.loads(out.read_text())
+
+    # The flood: every subject the user may publish to, far more than the streams keep.
+    evt = stream_limits(STREAMS[0])
+    flooded = [s for s in report["subjects"] if s.startswith(("phalanx.evt.", "phalanx.err."))]
+    assert f"phalanx.hb.{JOB}.{FLOODER}" in report["subjects"] and len(flooded) >= 5, report["subjects"]
+    kept_at_most = len(flooded) * evt.max_msgs_per_subject * evt.max_msg_size
+    assert report["bytes"] > kept_at_most, report["bytes"]
+
+    # The kill during the flood was recovered during the flood, and the job completed.
+    assert result.returncode == 0, result.decisions
+    assert actions(result) == [Action.START, Action.REPLACE]
+    (fault,) = [f for f in result.faults if f.worker == "w1"]
+    replacement = min((p for p in result.plans if p.rank_of("w3") is not None), key=lambda p: p.generation)
+    assert report["start"] <= fault.fault_at < replacement.ts <= report["end"], (report, fault, replacement)
+    before_kill = max((size for at, size in report["progress"] if at <= fault.fault_at), default=0)
+    assert before_kill > kept_at_most, (before_kill, kept_at_most)  # the caps were full when w1 died
+    assert str(replacement.generation) in report["plans"]  # the flooder saw it too
+
+    # The planner's writes all went through: no refused or failed record write.
+    planner_log = (stack.workdir / "elasticity-planner.log").read_text()
+    for failure in ("insufficient storage", "ServiceUnavailable", "handler_failed", "reform_failed"):
+        assert failure not in planner_log, failure
+
+    # The store stayed within its limits.
+    store = asyncio.run(_store(stack.url, auth, flooded))
+    for name, (used, max_bytes, _) in store["streams"].items():  # type: ignore[attr-defined]
+        assert 0 < max_bytes and used <= max_bytes, name
+    per_subject = {name: cap for name, (_, _, cap) in store["streams"].items()}  # type: ignore[attr-defined]
+    for subject, n in store["counts"].items():  # type: ignore[attr-defined]
+        cap = per_subject["PHALANX_ERR" if subject.startswith("phalanx.err.") else "PHALANX_EVT"]
+        assert n <= cap, (subject, n)
+    assert store["used"] <= store["quota"] == account_max_file(), store  # type: ignore[operator]
