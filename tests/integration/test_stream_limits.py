@@ -268,9 +268,11 @@ async def test_a_flooding_rank_fills_nothing_and_starves_no_write(quota_server: 
     stop = time.monotonic() + 8.0
     sent = 0
 
+    done = asyncio.Event()  # the control plane's writes are over: the flood may stop
+
     async def flood() -> None:
         nonlocal sent
-        while time.monotonic() < stop:
+        while not done.is_set():
             for s in subjects:
                 await flooder.publish(s, payload)
                 sent += 1
@@ -283,22 +285,27 @@ async def test_a_flooding_rank_fills_nothing_and_starves_no_write(quota_server: 
     writes, verdicts = 0, []
 
     async def control_plane() -> None:
+        """At least 20 writes, for 8 s, all of it under the flood (which ends after it); at
+        most 60, so that the verdicts' own subject stays within its cap of 64 messages."""
         nonlocal revision, writes
-        while time.monotonic() < stop:
-            revision = await kv.update(f"{JOB}.plan", os.urandom(200_000), last=revision)
-            writes += 1
-            v = RankFailed(
-                job=JOB,
-                incident=f"inc-{writes}",
-                worker="w1",
-                rank=1,
-                generation=1,
-                cause=FaultCause.PROCESS_EXIT,
-                fault_at=time.time(),
-            )
-            ack = await djs.publish(FAILED.format(job=JOB), encode(v)[0], timeout=5.0)
-            verdicts.append(ack.seq)
-            await asyncio.sleep(0.05)
+        try:
+            while writes < 60 and (writes < 20 or time.monotonic() < stop):
+                revision = await kv.update(f"{JOB}.plan", os.urandom(200_000), last=revision)
+                writes += 1
+                v = RankFailed(
+                    job=JOB,
+                    incident=f"inc-{writes}",
+                    worker="w1",
+                    rank=1,
+                    generation=1,
+                    cause=FaultCause.PROCESS_EXIT,
+                    fault_at=time.time(),
+                )
+                ack = await djs.publish(FAILED.format(job=JOB), encode(v)[0], timeout=5.0)
+                verdicts.append(ack.seq)
+                await asyncio.sleep(0.05)
+        finally:
+            done.set()
 
     try:
         await asyncio.gather(flood(), control_plane())
