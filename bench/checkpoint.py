@@ -207,6 +207,8 @@ async def tiered(
             assert done is not None
             lag.append(done - t0)
         out["blocking_save_s"] = tails(blocking)
+        out["blocking_save_runs_s"] = [round(x, 4) for x in blocking]  # every run: the figure is noisy
+        out["shm_copy_interleaved_runs_s"] = [round(x, 4) for x in plain]
         out["take_s"] = tails(
             [e.seconds for _, e in events.seen if (e.tier, e.state, e.node) == ("memory", "complete", "n1")]
         )
