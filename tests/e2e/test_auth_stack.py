@@ -13,13 +13,13 @@ run, follow plans (KV watch included) and recover.
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from examples.train_gpt import command as train_command
 from phalanx.localstack import SERVICE_MODULES, LocalStack
 from phalanx.natsauth import ENV_WORKER_CREDENTIALS, NatsAuth
 from phalanx.schemas import Action
@@ -69,18 +69,7 @@ def test_recovery_with_every_process_in_its_role(
         auth_stack, "role_env", lambda role: job_env[role] if role in job_env else stack_env(role)
     )
     save = tmp_path / "weights.pt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "examples.train_gpt",
-        "--steps",
-        str(STEPS),
-        "--data",
-        str(corpus),
-        "--save",
-        str(save),
-        *SMALL_GPT,
-    ]
+    cmd = train_command(STEPS, corpus, *SMALL_GPT, save=save)
     handed = {k: v for k, v in auth.launcher_env(JOB).items() if k == ENV_WORKER_CREDENTIALS}
     result = auth_stack.run_job(
         JOB, cmd, nproc=3, spares=1, faults="kill:w1@step=5", global_batch=12, timeout_s=180.0, env=handed

@@ -28,6 +28,7 @@ from pathlib import Path
 import nats
 import pytest
 
+from examples.train_gpt import command as train_command
 from phalanx.bus._connection import inbox_prefix
 from phalanx.bus.topology import STREAMS, account_max_file, stream_limits
 from phalanx.localstack import LocalStack
@@ -123,16 +124,7 @@ def test_a_flooding_rank_neither_stops_a_recovery_nor_fills_the_store(
                 tmp_path / "flooder.log"
             ).read_text()
             time.sleep(0.1)
-        cmd = [
-            sys.executable,
-            "-m",
-            "examples.train_gpt",
-            "--steps",
-            str(STEPS),
-            "--data",
-            str(corpus),
-            *SMALL_GPT,
-        ]
+        cmd = train_command(STEPS, corpus, *SMALL_GPT)
         handed = {k: v for k, v in auth.launcher_env(JOB).items() if k == ENV_WORKER_CREDENTIALS}
         result = stack.run_job(
             JOB, cmd, nproc=3, spares=1, faults="kill:w1@step=5", global_batch=12, timeout_s=300.0, env=handed
