@@ -1,7 +1,7 @@
 """Several "nodes" on one machine, one network namespace each, for tests and benchmarks.
 
 A multi-node job, the loss of a whole node and a network partition can then be
-exercised for real on a single host (see ../shared/notes/netns.md). Every node is
+exercised for real on a single host (see docs/netns.md). Every node is
 a network namespace with its own loopback and one veth interface; the host-side
 ends of the veths hang on a bridge this object creates, and a private /24 under
 10.0.0.0/8 that overlaps no route or address of the host exists only on that
