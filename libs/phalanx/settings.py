@@ -23,6 +23,7 @@ the new values, as the ``os.environ`` reads this replaced did.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -36,6 +37,7 @@ from phalanx.schemas.messages import Role
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 # A job, worker or replica name as it goes into a NATS subject or a durable name.
 _PLAIN_NAME = r"^[A-Za-z0-9_-]+$"
+_JOB = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class SettingsError(ValueError):
@@ -343,7 +345,7 @@ class Settings(BaseSettings):
     @classmethod
     def _retention(cls, value: str | None) -> str | None:
         if value is not None:
-            from phalanx.checkpoint.tiers import RetentionPolicy  # imports telemetry: only when set
+            from phalanx.checkpoint.retention import RetentionPolicy
 
             RetentionPolicy.parse(value)  # ValueError says what is wrong
         return value
@@ -352,8 +354,6 @@ class Settings(BaseSettings):
     @classmethod
     def _job_uids(cls, value: str | None) -> str | None:
         if value is not None:
-            from phalanx.checkpoint.slots import parse_job_uids
-
             parse_job_uids(value)  # ValueError says what is wrong
         return value
 
@@ -364,6 +364,22 @@ class Settings(BaseSettings):
 
         FaultPlan.parse(value)
         return value
+
+
+def parse_job_uids(text: str) -> dict[str, int]:
+    """``job=uid[,job=uid...]`` (``PHALANX_CKPT_JOB_UIDS``): the uid each job's ranks run
+    as on this node, which must own its directories; a ValueError saying what is wrong.
+
+    >>> parse_job_uids("sample=20001, eval=20002")
+    {'sample': 20001, 'eval': 20002}
+    """
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        job, sep, uid = part.partition("=")
+        if not sep or not _JOB.match(job.strip()) or not uid.strip().isdigit() or job.strip() in out:
+            raise ValueError(f"job uids {text!r}: expected 'job=uid[,job=uid...]', got {part!r}")
+        out[job.strip()] = int(uid)
+    return out
 
 
 def env_name(field: str) -> str:

@@ -56,12 +56,13 @@ from phalanx.bus import COMMANDS, EVENTS, Bus
 from phalanx.bus.subjects import PLAN, RECOVERED
 from phalanx.checkpoint.keeper import Keeper, KeeperConfig
 from phalanx.checkpoint.peerauth import load_key
-from phalanx.checkpoint.slots import node_name, parse_job_uids, shm_root
-from phalanx.checkpoint.tiers import RetentionPolicy, RetryPolicy, Tier
+from phalanx.checkpoint.retention import RetentionPolicy
+from phalanx.checkpoint.slots import node_name, shm_root
+from phalanx.checkpoint.tiers import RetryPolicy, Tier
 from phalanx.metrics import ReplicationMetrics
 from phalanx.schemas import Message, Plan, RecoveryDone
 from phalanx.service import Service
-from phalanx.settings import get_settings
+from phalanx.settings import get_settings, parse_job_uids
 
 
 def keeper_config(node: str) -> KeeperConfig:

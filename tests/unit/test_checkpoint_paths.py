@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from phalanx.checkpoint import paths
-from phalanx.checkpoint.slots import SlotError, SlotFile, own_job_dir, parse_job_uids, scan
+from phalanx.checkpoint.slots import SlotError, SlotFile, own_job_dir, scan
 from phalanx.checkpoint.tiers import RetryPolicy
+from phalanx.settings import parse_job_uids
 
 
 def test_rmtree_at_never_follows_a_link_on_the_way_or_at_the_end(tmp_path: Path) -> None:

@@ -13,8 +13,9 @@ the same tiers.
 from typing import TYPE_CHECKING, Any
 
 from phalanx.checkpoint.manifest import Manifest, ManifestError
+from phalanx.checkpoint.retention import RetentionPolicy
 from phalanx.checkpoint.slots import node_name, shm_root
-from phalanx.checkpoint.tiers import RetentionPolicy, Tier
+from phalanx.checkpoint.tiers import Tier
 
 if TYPE_CHECKING:
     from phalanx.checkpoint.client import Checkpointer, CheckpointInfo, Loaded, NoCheckpoint
@@ -25,7 +26,7 @@ _CLIENT = ("Checkpointer", "CheckpointInfo", "Loaded", "NoCheckpoint")
 def __getattr__(name: str) -> Any:
     """The rank-side API imports torch; the keeper (this package's other half) does not."""
     if name in _CLIENT:
-        from phalanx.checkpoint import client
+        import phalanx.checkpoint.client as client
 
         return getattr(client, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from phalanx.checkpoint import wire
+import phalanx.checkpoint.wire as wire
 from phalanx.checkpoint.manifest import Manifest
 from phalanx.checkpoint.slots import SlotsBusy, SnapshotSlots, Written, node_name, shm_root
 from phalanx.runtime.state import Packing, unpack

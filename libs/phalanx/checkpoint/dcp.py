@@ -40,7 +40,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
-from phalanx.checkpoint import wire
+import phalanx.checkpoint.wire as wire
 from phalanx.checkpoint.client import Checkpointer, Loaded
 from phalanx.checkpoint.manifest import Manifest, ManifestError
 from phalanx.checkpoint.tiers import step_key

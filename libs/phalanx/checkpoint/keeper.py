@@ -43,9 +43,11 @@ from typing import Any
 
 from opentelemetry import trace
 
+import phalanx.checkpoint.paths as paths
+import phalanx.checkpoint.peerauth as peerauth
+import phalanx.checkpoint.wire as wire
 from phalanx.bus import Bus
 from phalanx.bus.subjects import CHECKPOINT
-from phalanx.checkpoint import paths, peerauth, wire
 from phalanx.checkpoint.catalog import COMPLETE, SHARED_NODE, Catalog, Entry
 from phalanx.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -57,12 +59,12 @@ from phalanx.checkpoint.manifest import (
     digest,
     digest_chunks,
 )
+from phalanx.checkpoint.retention import RetentionPolicy
 from phalanx.checkpoint.slots import SLOTS_MODE, SlotError, SlotFile, SlotHeader, SlotState, scan
 from phalanx.checkpoint.tiers import (
     DRAIN_ORDER,
     DirTier,
     ObjectTier,
-    RetentionPolicy,
     RetryPolicy,
     Store,
     Tier,

@@ -45,7 +45,7 @@ from typing import Any
 
 import msgpack
 
-from phalanx.checkpoint import wire
+import phalanx.checkpoint.wire as wire
 from phalanx.settings import Settings, SettingsError
 
 MIN_KEY_BYTES = 32

@@ -52,7 +52,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from phalanx.checkpoint import paths
+import phalanx.checkpoint.paths as paths
 from phalanx.settings import get_settings
 
 if TYPE_CHECKING:  # the keeper runs without torch; a rank has it
@@ -95,22 +95,6 @@ def shm_root() -> Path:
 
 def slot_dir(shm_root: Path, node: str, job: str) -> Path:
     return shm_root / node / "slots" / job
-
-
-def parse_job_uids(text: str) -> dict[str, int]:
-    """``job=uid[,job=uid...]`` (``PHALANX_CKPT_JOB_UIDS``): the uid each job's ranks run
-    as on this node, which must own its directories; a ValueError saying what is wrong.
-
-    >>> parse_job_uids("sample=20001, eval=20002")
-    {'sample': 20001, 'eval': 20002}
-    """
-    out: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        job, sep, uid = part.partition("=")
-        if not sep or not _JOB.match(job.strip()) or not uid.strip().isdigit() or job.strip() in out:
-            raise ValueError(f"job uids {text!r}: expected 'job=uid[,job=uid...]', got {part!r}")
-        out[job.strip()] = int(uid)
-    return out
 
 
 class SlotError(ValueError):
