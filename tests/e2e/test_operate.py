@@ -172,26 +172,44 @@ def test_phalanx_run_without_nats_url_uses_a_private_control_plane(corpus: Path,
         str(corpus),
         *SMALL,
     ]
-    done = subprocess.run(
+    # PYTHONFAULTHANDLER: a run that hangs is sent SIGABRT and prints every thread's stack.
+    run = subprocess.Popen(
         [*PHALANX, "run", "--nproc", "2", "--job", "private", "--", *train],
-        env=env,
+        env={**env, "PYTHONFAULTHANDLER": "1"},
         cwd=tmp_path,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "starting a private control plane" in done.stderr
-    assert (tmp_path / ".phalanx" / "run-private" / "elasticity-planner.log").exists()
-    assert not _port_open(4222)
-    # nothing it started is left: no process (orphans included) still runs in its directory
-    left = []
+    try:
+        try:
+            _, stderr = run.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            run.send_signal(signal.SIGABRT)
+            _, stderr = run.communicate(timeout=30)
+            pytest.fail(f"`phalanx run` still ran after 240 s; its stacks and log:\n{stderr[-8000:]}")
+        assert run.returncode == 0, stderr[-3000:]
+        assert "starting a private control plane" in stderr
+        assert (tmp_path / ".phalanx" / "run-private" / "elasticity-planner.log").exists()
+        assert not _port_open(4222)
+        # nothing it started is left: no process (orphans included) still runs in its directory
+        left = _running_in(tmp_path)
+        assert not left, f"outlived `phalanx run`: {left}"
+    finally:
+        for pid in _running_in(tmp_path):  # on a failure too: nothing outlives the test
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def _running_in(directory: Path) -> dict[str, bytes]:
+    """Live processes whose working directory is ``directory``: pid -> command line."""
+    left = {}
     for entry in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
             if (
                 entry.name.isdigit()
-                and Path(os.readlink(entry / "cwd")) == tmp_path
+                and Path(os.readlink(entry / "cwd")) == directory
                 and alive(int(entry.name))
             ):
-                left.append((entry.name, (entry / "cmdline").read_bytes()[:80]))
-    assert not left, f"outlived `phalanx run`: {left}"
+                left[entry.name] = (entry / "cmdline").read_bytes()[:80]
+    return left
