@@ -23,7 +23,7 @@ test-fast: venv
 	$(PY) -m pytest -m "not slow"
 
 demo: venv
-	$(PY) -m phalanx.demo
+	$(PY) -m phalanx.devstack.demo
 
 bench-detect: venv
 	$(PY) -m bench.detect
@@ -44,10 +44,10 @@ bench-checkpoint: venv
 	$(PY) -m bench.checkpoint
 
 proto: venv
-	$(PY) -m phalanx.proto write proto
+	$(PY) -m phalanx.contract.proto write proto
 
 proto-check: venv
-	$(PY) -m phalanx.proto check proto
+	$(PY) -m phalanx.contract.proto check proto
 
 lint: venv
 	$(VENV)/bin/ruff check libs services tests bench examples

@@ -65,12 +65,12 @@ from bench.checkpoint_baselines import (
     state_bytes,
 )
 from phalanx.bus import Bus
-from phalanx.bus.subjects import CHECKPOINT
 from phalanx.checkpoint import Checkpointer
 from phalanx.checkpoint.manifest import CHUNK, digest_chunks
-from phalanx.localstack import LocalStack
-from phalanx.s3server import S3Server
-from phalanx.schemas import CheckpointEvent, decode
+from phalanx.contract import CheckpointEvent
+from phalanx.contract.subjects import CHECKPOINT
+from phalanx.devstack.localstack import LocalStack
+from phalanx.devstack.s3server import S3Server
 
 JOB = "bench-ckpt"
 TRAIN_CPU, SYSTEM_CPU = 0, 1
@@ -115,8 +115,8 @@ class Events:
     def __init__(self) -> None:
         self.seen: list[tuple[float, CheckpointEvent]] = []
 
-    async def on_msg(self, raw: Msg) -> None:
-        self.seen.append((time.perf_counter(), decode(raw.data, raw.headers, CheckpointEvent)))
+    async def on_msg(self, event: CheckpointEvent, raw: Msg) -> None:
+        self.seen.append((time.perf_counter(), event))
 
     def complete_at(self, step: int, tier: str) -> float | None:
         for t, e in self.seen:
@@ -182,7 +182,7 @@ async def tiered(
             pin(stack.procs[key].pid, SYSTEM_CPU)
         bus = await Bus.connect(stack.url, name="bench")
         events = Events()
-        await bus.nc.subscribe(CHECKPOINT.format(job=JOB), cb=events.on_msg)
+        await bus.subscribe(CHECKPOINT.format(job=JOB), events.on_msg, CheckpointEvent)
         ckpt = Checkpointer(JOB, node="n1", worker="w0", root=stack.shm_root)
         await asyncio.to_thread(ckpt.reserve, {"step": 0, "state": state})
         steps = Steps()

@@ -9,7 +9,7 @@ same state dict (:func:`make_state`):
   directory, with each stager configuration torch offers on CPU: how long the call
   keeps the caller (the upload runs on in a thread);
 - :func:`direct_remote_save_s`: saving straight to S3 (``torch.save`` + an obstore
-  upload, and synchronous DCP through fsspec/s3fs), e.g. to a phalanx.s3server.
+  upload, and synchronous DCP through fsspec/s3fs), e.g. to a phalanx.devstack.s3server.
 
 Single process, no process group. Every function removes the files it wrote.
 """
@@ -229,7 +229,7 @@ def direct_remote_save_s(state: dict[str, torch.Tensor], endpoint: str, bucket: 
     - ``dcp_sync_s``: ``dcp.save`` through fsspec's s3fs (``FsspecWriter`` on an
       ``s3://`` path, ``sync_files=False``); only when s3fs is importable.
 
-    ``endpoint`` is an S3 server taking the "testing" credentials (phalanx.s3server);
+    ``endpoint`` is an S3 server taking the "testing" credentials (phalanx.devstack.s3server);
     ``bucket`` must exist. The objects written are deleted at the end.
     """
     store = _s3_store(endpoint, bucket)

@@ -2,10 +2,10 @@
 
 Starts its own nats-server, the failure detector as a separate process
 (``python -m phalanx.services.failure_detector``) and, in this process, the
-job's launcher (:class:`phalanx.runtime.launcher.Launcher`) with real worker
+job's launcher (:class:`phalanx.launcher.launcher.Launcher`) with real worker
 processes (tests/workers/heartbeat_worker.py: real RankStatus + HeartbeatPublisher)
 plus thousands of simulated ranks, 8 per simulated node, published as one
-:class:`~phalanx.schemas.NodeDigest` per node and interval (what each node's
+:class:`~phalanx.contract.NodeDigest` per node and interval (what each node's
 launcher sends) by ``--sim-procs`` simulator processes. Then:
 
 1. **steady**: ``--steady-s`` of real + simulated ranks; any verdict counts as
@@ -55,10 +55,7 @@ import msgpack
 from nats.aio.msg import Msg
 
 from phalanx.bus import Bus
-from phalanx.bus.subjects import HEARTBEAT, NODE_DIGEST
-from phalanx.natsserver import NatsServer
-from phalanx.runtime.launcher import LaunchConfig, Launcher
-from phalanx.schemas import (
+from phalanx.contract import (
     FaultCause,
     Heartbeat,
     NodeDigest,
@@ -69,9 +66,12 @@ from phalanx.schemas import (
     decode,
     encode,
 )
-from phalanx.schemas.codec import headers_for
+from phalanx.contract.codec import headers_for
+from phalanx.contract.subjects import HEARTBEAT, NODE_DIGEST
+from phalanx.devstack.natsserver import NatsServer
+from phalanx.launcher.launcher import LaunchConfig, Launcher
 from phalanx.service import ping
-from phalanx.settings import get_settings
+from phalanx.settings import TelemetrySettings, load
 from phalanx.telemetry import setup_logging
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -841,7 +841,7 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(simulate(url, int(proc), [int(k) for k in nodes.split(",")], float(interval), int(seed)))
         return
     a = parse(args)
-    setup_logging("bench-detect", get_settings().log_level or "WARNING")  # JSON lines on stderr
+    setup_logging("bench-detect", load(TelemetrySettings).log_level or "WARNING")  # JSON lines on stderr
     keep = os.environ.get("PHALANX_BENCH_DIR")
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-detect-") as tmp:
         work = Path(keep) if keep else Path(tmp)

@@ -35,10 +35,11 @@ from nats.aio.msg import Msg
 from phalanx.services.elasticity_planner.lease import leader_pid
 
 from bench.detect import pct
-from phalanx.bus import JOBS_BUCKET, Bus
-from phalanx.bus.subjects import FAILED, JOB_SPEC, JOINED, PLAN, REGISTERED
-from phalanx.natsserver import NatsServer
-from phalanx.schemas import FaultCause, JobSpec, NodeJoined, Plan, RankFailed, Registered, Role, decode
+from phalanx.bus import Bus
+from phalanx.contract import FaultCause, JobSpec, NodeJoined, Plan, RankFailed, Registered, Role
+from phalanx.contract.streams import JOBS_BUCKET
+from phalanx.contract.subjects import FAILED, JOB_SPEC, JOINED, PLAN, REGISTERED
+from phalanx.devstack.natsserver import NatsServer
 
 
 class Planners:
@@ -61,7 +62,7 @@ class Planners:
         return proc
 
     async def leader(self, bus: Bus) -> subprocess.Popen[bytes]:
-        kv = await bus.js.key_value(JOBS_BUCKET)
+        kv = await bus.kv.bucket(JOBS_BUCKET)
         for _ in range(200):
             pid = await leader_pid(kv)
             live = [p for p in self.procs if p.pid == pid and p.poll() is None]
@@ -84,10 +85,10 @@ class Planners:
 async def _open_job(bus: Bus, job: str, plans: asyncio.Queue[Plan]) -> Plan:
     answers: asyncio.Queue[NodeJoined] = asyncio.Queue()
 
-    async def on_answer(raw: Msg) -> None:
-        answers.put_nowait(decode(raw.data, raw.headers, NodeJoined))
+    async def on_answer(answer: NodeJoined, raw: Msg) -> None:
+        answers.put_nowait(answer)
 
-    sub = await bus.nc.subscribe(JOINED.format(job=job), cb=on_answer)
+    sub = await bus.subscribe(JOINED.format(job=job), on_answer, NodeJoined)
     workers = ["w0", "w1", "w2", "w3"]
     spec = JobSpec(
         job=job,
@@ -119,10 +120,10 @@ async def _open_job(bus: Bus, job: str, plans: asyncio.Queue[Plan]) -> Plan:
 async def trial(bus: Bus, planners: Planners, job: str) -> dict[str, Any]:
     plans: asyncio.Queue[Plan] = asyncio.Queue()
 
-    async def on_plan(raw: Msg) -> None:
-        plans.put_nowait(decode(raw.data, raw.headers, Plan))
+    async def on_plan(plan: Plan, raw: Msg) -> None:
+        plans.put_nowait(plan)
 
-    sub = await bus.nc.subscribe(PLAN.format(job=job), cb=on_plan)
+    sub = await bus.subscribe(PLAN.format(job=job), on_plan, Plan)
     try:
         gen1 = await _open_job(bus, job, plans)
         await asyncio.sleep(0.3)  # acknowledgements of generation 1 are not part of the measure

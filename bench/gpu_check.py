@@ -10,12 +10,12 @@ b. ``state_transfer``: a ~1 GiB training state (model + two Adam-like moments,
    fp32, plus the CPU tensors a real state holds: Adam's ``step``, an RNG state)
    packed on ``cuda:0`` (``on_device``: pack, both checksums, unpack, and the old
    CPU-staged pack for comparison); with >= 2 GPUs, sent rank 0 -> rank 1 by
-   ``send_state``/``recv_state`` over a 2-process NCCL :class:`Communicator`
+   ``send_state``/``recv_state`` over a 2-process NCCL :class:`Group`
    (checksum verified, bitwise compared with the sender's state), next to the raw
    buffer send/recv and device-to-device copies (``dst.copy_(src)`` within
    ``cuda:0`` and ``cuda:0`` -> ``cuda:1``); median and max GB/s of the repeats.
 c. ``nccl_recovery``: with >= 3 GPUs (2 ranks + 1 spare), the user-loop example
-   port (``examples.ddp_phalanx``) on a :class:`~phalanx.localstack.LocalStack`,
+   port (``examples.ddp_phalanx``) on a :class:`~phalanx.devstack.localstack.LocalStack`,
    fault-free, then with ``kill:w1@step=K``: downtime (the fault log's instant ->
    the last rank's first step in the final generation, from the job's
    ``RecoveryDone`` events), the recovery phases, and whether the final weights
@@ -47,8 +47,10 @@ import torch
 import torch.distributed as dist
 
 from bench.detect import pct
-from phalanx.runtime.comm import Communicator, arrival_barrier, backend_for, connect_store, host_store
-from phalanx.runtime.state import CRC32, WSUM31, checksum, pack, recv_state, send_state, unpack
+from phalanx.checkpoint.packing import CRC32, WSUM31, checksum, pack, unpack
+from phalanx.runtime.comm import Group, arrival_barrier, backend_for, connect_store
+from phalanx.runtime.state import recv_state, send_state
+from phalanx.runtime.store import host_store
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -236,7 +238,7 @@ def _transfer_rank(
         store = connect_store(f"127.0.0.1:{port}")
         arrival_barrier(store, prefix, rank, 2, lambda: False, timeout_s=120.0)
         t0 = time.perf_counter()
-        comm = Communicator(store, prefix, rank, 2, timeout_s=120.0, bind="127.0.0.1", device=device)
+        comm = Group(store, prefix, rank, 2, timeout_s=120.0, bind="127.0.0.1", device=device)
         comm.barrier()
         out["comm_init_s"] = round(time.perf_counter() - t0, 4)
         out["backend"] = backend_for(device)
@@ -390,7 +392,7 @@ def nccl_recovery(out: Path, dry_run: bool, steps: int, fault_step: int) -> dict
         return {"skipped": f"needs >= 3 GPUs (2 ranks + 1 spare), found {gpus}"}
     if not (REPO / "examples" / "ddp_phalanx.py").exists():
         return {"skipped": "examples/ddp_phalanx.py is not in this checkout"}
-    from phalanx.localstack import LocalStack
+    from phalanx.devstack.localstack import LocalStack
 
     device = "cpu" if dry_run else "cuda"
     env = dict(DETERMINISM_ENV)

@@ -31,7 +31,7 @@ got the server's acknowledgement. Steady overhead compares the median step time 
 a fault-free Phalanx run with plain DDP on the same model and batch
 (bench/baseline/plain_ddp.py), interleaved.
 
-With ``--nodes N`` (N >= 2; needs network namespaces, see phalanx.netns) it also
+With ``--nodes N`` (N >= 2; needs network namespaces, see phalanx.devstack.netns) it also
 measures the loss of a whole node, at least 5 trials each side:
 
 - Phalanx: N namespace nodes, each one ``phalanx run`` with 1 rank + 1 hot spare
@@ -84,8 +84,8 @@ from examples.corpus import DEFAULT_OUT, build_corpus
 from examples.gpt import GPT
 from examples.mlp import MLP
 from examples.train_gpt import command as train_command
-from phalanx.localstack import JobResult, LocalStack, last_logged_step
-from phalanx.netns import NetnsCluster
+from phalanx.devstack.localstack import JobResult, LocalStack, last_logged_step
+from phalanx.devstack.netns import NetnsCluster
 from phalanx.tracesummary import PHASES, _from_file, incidents
 
 REPO = Path(__file__).resolve().parents[1]

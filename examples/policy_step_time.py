@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
 
+from phalanx.contract import Action, Plan, PlanDecision, PreemptionNotice
 from phalanx.policy import PolicyClient, ProposalTimeout, StepSample
-from phalanx.schemas import Action, Plan, PlanDecision, PreemptionNotice
 from phalanx.telemetry import get_logger, setup_logging
 
 NAME = "policy-step-time"

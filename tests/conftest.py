@@ -25,8 +25,8 @@ import pytest
 
 from _docker import docker_available  # tests/ is on sys.path (rootdir conftest)
 from phalanx.bus import Bus
-from phalanx.natsserver import NatsServer
-from phalanx.s3server import S3Server
+from phalanx.devstack.natsserver import NatsServer
+from phalanx.devstack.s3server import S3Server
 
 __all__ = ["docker_available"]
 
@@ -101,6 +101,6 @@ def _span_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
-    """One moto S3 server for the whole session (phalanx.s3server); tests make their own buckets."""
+    """One moto S3 server for the whole session (phalanx.devstack.s3server); tests make their own buckets."""
     with S3Server() as srv:
         yield srv

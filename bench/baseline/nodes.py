@@ -2,7 +2,7 @@
 
     python -m bench.baseline.nodes [--nodes 3] [--trials 1] [--nproc-per-node 1] [--steps 30]
 
-Each node is a network namespace of a :class:`phalanx.netns.NetnsCluster` with one
+Each node is a network namespace of a :class:`phalanx.devstack.netns.NetnsCluster` with one
 torchrun agent (``python -m torch.distributed.run``) running ``--nproc-per-node``
 workers of bench/baseline/train_ddp.py (plain DDP over gloo, DCP checkpoints every
 ``ckpt_every`` steps in a directory all nodes share: namespaces share the file
@@ -61,7 +61,7 @@ from typing import IO, Any
 
 from bench.baseline.run import REPO, SCRIPT, script_args, summarize
 from examples.corpus import DEFAULT_OUT, build_corpus
-from phalanx.netns import NetnsCluster
+from phalanx.devstack.netns import NetnsCluster
 
 RDZV_CONF = (
     "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"

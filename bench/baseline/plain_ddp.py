@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from bench.baseline.torchrun import REPO
 from bench.baseline.train_ddp import build_trainer
 from examples.corpus import DEFAULT_OUT, build_corpus
-from phalanx.natsserver import free_port
+from phalanx.devstack.natsserver import free_port
 
 
 def _worker(rank: int, nproc: int, port: int, args: argparse.Namespace, steps: int, result: str) -> None:

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from phalanx.natsserver import free_port
+from phalanx.devstack.natsserver import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

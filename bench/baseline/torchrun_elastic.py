@@ -114,7 +114,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from bench.baseline.torchrun import REPO, torchrun_command, torchrun_env
-from phalanx.natsserver import free_port
+from phalanx.devstack.natsserver import free_port
 
 WORKER = REPO / "bench" / "baseline" / "elastic_worker.py"
 RDZV_CONF: dict[str, int] = {

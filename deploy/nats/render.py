@@ -45,17 +45,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from phalanx.natsauth import (
-    ADMIN,
-    DETECTOR,
-    ENV_WORKER_CREDENTIALS,
-    LAUNCHER,
-    PLANNER,
-    REPLICATION,
-    SCHEDULER,
-    NatsAuth,
-    read_env_file,
-)
+from phalanx.bus.credentials import ENV_WORKER_CREDENTIALS, read_env_file
+from phalanx.contract.permissions import ADMIN, DETECTOR, LAUNCHER, PLANNER, REPLICATION, SCHEDULER
+from phalanx.natsauth import NatsAuth
 
 HERE = Path(__file__).resolve().parent
 DEPLOY = HERE.parent

@@ -1,6 +1,6 @@
 """Splitting a constant global batch over a changing number of replicas.
 
-The planner puts a :class:`~phalanx.schemas.BatchPlan` in every plan; ranks train
+The planner puts a :class:`~phalanx.contract.BatchPlan` in every plan; ranks train
 by it. Replica ``r`` of ``W`` takes the ``r``-th contiguous shard of the global
 batch (``ceil(G/W)`` samples for the first ``G % W`` ranks, ``floor(G/W)`` for the
 rest) and weights its loss by ``n / E``, so the update is the gradient of the mean
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from phalanx.schemas import BatchPlan, Elastic, LrRule
+from phalanx.contract import BatchPlan, Elastic, LrRule
 
 
 def shard_sizes(global_batch: int, world_size: int) -> list[int]:

@@ -37,20 +37,22 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Annotated
 
 import nats.errors
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
-from nats.js.kv import KeyValue
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from nats.js.errors import NotFoundError
+from pydantic import ValidationError
 
-from phalanx.bus import CLUSTER_BUCKET, Bus, nats_url
-from phalanx.bus._connection import PermissionDenied
-from phalanx.bus.topology import ensure_bucket
+from phalanx.bus import Bucket, Bus, Conflict, PermissionDenied, nats_url
+from phalanx.contract.cluster import (
+    DEFAULT_CLUSTER,
+    MAX_SLOTS,
+    NAME_PATTERN,
+    ClusterNode,
+    ClusterPreemption,
+    ClusterState,
+)
+from phalanx.contract.streams import CLUSTER_BUCKET
 
-NAME_PATTERN = r"^[A-Za-z0-9_-]+$"
-DEFAULT_CLUSTER = "local"
-MAX_SLOTS = 100_000  # per node: far beyond any machine, small enough to catch a typo
 MAX_GRACE_S = 7 * 86400.0
 RETAIN_S = 3600.0  # a preemption whose deadline passed longer ago is dropped at the next change
 CAS_ATTEMPTS = 20
@@ -62,8 +64,6 @@ _NAME = re.compile(NAME_PATTERN)
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h)?")
 _UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
-NodeName = Annotated[str, Field(pattern=NAME_PATTERN, max_length=64)]
-
 
 class ClusterError(RuntimeError):
     """The change could not be made (NATS unreachable or refusing, a broken record)."""
@@ -71,71 +71,6 @@ class ClusterError(RuntimeError):
 
 class BadInput(ClusterError, ValueError):
     """The request itself is wrong; nothing was changed."""
-
-
-# -- the record ------------------------------------------------------------------------
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ClusterNode(_Strict):
-    """A node: the slots it offers beyond what its launchers started with."""
-
-    name: NodeName
-    slots: int = Field(ge=0, le=MAX_SLOTS)
-    ready: bool = True
-    reclaims: int = Field(default=0, ge=0, description="Times reclaimed: numbers its preemptions.")
-
-
-class ClusterPreemption(_Strict):
-    """The scheduler takes ``nodes`` (every worker on them) or ``workers`` of ``job`` back."""
-
-    id: str = Field(pattern=NAME_PATTERN, max_length=128)
-    job: str | None = Field(default=None, pattern=NAME_PATTERN, max_length=64)
-    workers: list[str] = Field(default_factory=list)
-    nodes: list[NodeName] = Field(default_factory=list)
-    deadline_s: float = Field(default=30.0, ge=0, allow_inf_nan=False)
-    at: float | None = Field(
-        default=None, ge=0, allow_inf_nan=False, description="Wall time the deadline counts from."
-    )
-    reason: str = Field(default="", max_length=500)
-
-    def remaining_s(self, now: float) -> float:
-        """Seconds left at wall time ``now`` (the whole ``deadline_s`` when ``at`` is unset)."""
-        if self.at is None:
-            return self.deadline_s
-        return max(0.0, self.at + self.deadline_s - now)
-
-
-class ClusterState(_Strict):
-    """A cluster: its nodes (slots each) and pending preemptions."""
-
-    cluster: str = Field(default=DEFAULT_CLUSTER, pattern=NAME_PATTERN, max_length=64)
-    nodes: list[ClusterNode] = Field(default_factory=list)
-    preemptions: list[ClusterPreemption] = Field(default_factory=list)
-
-    @model_validator(mode="after")
-    def _unique(self) -> ClusterState:
-        for what, names in (
-            ("node", [n.name for n in self.nodes]),
-            ("preemption", [p.id for p in self.preemptions]),
-        ):
-            dup = {n for n in names if names.count(n) > 1}
-            if dup:
-                raise ValueError(f"{what} names appear twice: {sorted(dup)}")
-        return self
-
-    @property
-    def available_slots(self) -> int:
-        return sum(n.slots for n in self.nodes if n.ready)
-
-    @property
-    def offered(self) -> dict[str, int]:
-        """Slots offered per node (0 for a node that is not ready)."""
-        return {n.name: n.slots if n.ready else 0 for n in self.nodes}
-
-    def node(self, name: str) -> ClusterNode | None:
-        return next((n for n in self.nodes if n.name == name), None)
 
 
 @dataclass(frozen=True)
@@ -287,13 +222,12 @@ def _nats_failed(bus: Bus, exc: Exception) -> ClusterError:
     return ClusterError(f"NATS failed: {exc!r}")
 
 
-async def _get(kv: KeyValue, cluster: str) -> ClusterRecord:
-    try:
-        entry = await kv.get(cluster)
-    except KeyNotFoundError:  # never written, or deleted
+async def _get(kv: Bucket, cluster: str) -> ClusterRecord:
+    entry = await kv.get(cluster)
+    if entry is None:  # never written, or deleted
         return ClusterRecord(ClusterState(cluster=cluster), 0)
     try:
-        return ClusterRecord(parse_record(cluster, entry.value), entry.revision or 0)
+        return ClusterRecord(parse_record(cluster, entry.value), entry.revision)
     except ValueError as exc:
         raise ClusterError(f"{exc}: fix or delete it (key {cluster!r} of bucket {CLUSTER_BUCKET})") from None
 
@@ -303,17 +237,16 @@ async def _update(
 ) -> ClusterRecord:
     """Apply ``change`` to the stored record by compare-and-set, retrying on a race."""
     try:
-        kv = await ensure_bucket(bus.nc.jetstream(timeout=REQUEST_TIMEOUT_S), CLUSTER_BUCKET)
+        kv = await bus.kv.bucket(CLUSTER_BUCKET, create=True, timeout_s=REQUEST_TIMEOUT_S)
         for attempt in range(CAS_ATTEMPTS):
             current = await _get(kv, cluster)
             state, notice = change(current.state)  # BadInput: nothing written
-            data = state.model_dump_json().encode()
             try:
                 if current.revision == 0:
-                    revision = await kv.create(cluster, data)
+                    revision = await kv.create(cluster, state)
                 else:
-                    revision = await kv.update(cluster, data, last=current.revision)
-            except KeyWrongLastSequenceError:  # someone else changed it first: read again
+                    revision = await kv.update(cluster, state, last=current.revision)
+            except Conflict:  # someone else changed it first: read again
                 await asyncio.sleep(random.uniform(0.005, 0.03) * (attempt + 1))
                 continue
             return ClusterRecord(state, revision, notice)
@@ -357,8 +290,7 @@ async def read(
     check_name("cluster", cluster)
     async with _session(bus, url) as b:
         try:
-            kv = await b.nc.jetstream(timeout=REQUEST_TIMEOUT_S).key_value(CLUSTER_BUCKET)
-            return await _get(kv, cluster)
+            return await _get(await b.kv.bucket(CLUSTER_BUCKET, timeout_s=REQUEST_TIMEOUT_S), cluster)
         except NotFoundError:  # no bucket yet
             return ClusterRecord(ClusterState(cluster=cluster), 0)
         except (nats.errors.Error, TimeoutError) as exc:

@@ -18,24 +18,26 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from nats.aio.msg import Msg
 
-from phalanx.bus import EVENTS, JOBS_BUCKET, Bus
-from phalanx.bus.subjects import DECISION, NODE_DIGEST, RECOVERED, STEPS
-from phalanx.bus.topology import kv_latest, stream_history
-from phalanx.schemas import (
+from phalanx.bus import Bus, Stored
+from phalanx.contract import (
     Action,
     JobRecord,
+    Message,
     NodeDigest,
     Plan,
     PlanDecision,
     RecoveryDone,
     StepRecord,
     StepStats,
-    decode,
-    headers_for,
 )
+from phalanx.contract.streams import EVENTS, JOBS_BUCKET
+from phalanx.contract.subjects import DECISION, NODE_DIGEST, RECOVERED, STEPS
+
+M = TypeVar("M", bound=Message)
 
 ENDED = (Action.STOP, Action.COMPLETE)
 
@@ -97,21 +99,21 @@ class JobSummary:
     reason: str
 
 
-def _plan_of(value: bytes) -> Plan | None:
-    return decode(value, headers_for(JobRecord), JobRecord).plan
+async def _plans(bus: Bus, pattern: str) -> dict[str, Plan]:
+    """The committed plan of every job whose record key matches ``pattern``, by key."""
+    records = await (await bus.kv.bucket(JOBS_BUCKET)).latest_as(pattern, JobRecord)
+    return {key: r.plan for key, r in records.items() if r.plan is not None}
 
 
 async def list_jobs(bus: Bus) -> list[JobSummary]:
     """Every job with a committed plan, newest generation first."""
     out = []
-    for key, value in (await kv_latest(bus.js, JOBS_BUCKET, "*.plan")).items():
-        plan = _plan_of(value)
-        if plan is not None:
-            out.append(
-                JobSummary(
-                    key[: -len(".plan")], plan.generation, len(plan.members), len(plan.spares), plan.reason
-                )
+    for key, plan in (await _plans(bus, "*.plan")).items():
+        out.append(
+            JobSummary(
+                key[: -len(".plan")], plan.generation, len(plan.members), len(plan.spares), plan.reason
             )
+        )
     return sorted(out, key=lambda j: (-j.generation, j.job))
 
 
@@ -119,15 +121,15 @@ async def _last_steps(bus: Bus, job: str) -> list[StepRecord]:
     """The newest step records of the job (the last :class:`StepStats` a launcher sent):
     losses are not in the digests, only in these."""
     try:
-        raw = await bus.js.get_last_msg(EVENTS.name, STEPS.format(job=job))
-        return decode(raw.data or b"", raw.headers, StepStats).steps
-    except Exception:  # none sent yet, or a server without the stream
+        last = await bus.streams.last(EVENTS, STEPS.format(job=job), StepStats)
+    except Exception:  # a server without the stream
         return []
+    return last.msg.steps if last is not None else []
 
 
-async def _history(bus: Bus, subject: str, timeout_s: float) -> list[Msg]:
+async def _history(bus: Bus, subject: str, expected: type[M], timeout_s: float) -> list[Stored[M]]:
     try:
-        return await stream_history(bus.js, subject, timeout_s)
+        return await bus.streams.history(subject, expected, timeout_s=timeout_s)
     except Exception:  # no stream yet, or a slow server: the status shows less
         return []
 
@@ -158,27 +160,18 @@ async def job_view(bus: Bus, job: str, *, listen_s: float = 1.0, history: int = 
     """
     digests: list[tuple[float, NodeDigest]] = []
 
-    async def on_digest(raw: Msg) -> None:
-        try:
-            digests.append((time.monotonic(), decode(raw.data, raw.headers, NodeDigest)))
-        except Exception:
-            return
+    async def on_digest(digest: NodeDigest, raw: Msg) -> None:
+        digests.append((time.monotonic(), digest))
 
-    sub = await bus.nc.subscribe(NODE_DIGEST.wildcard(job=job), cb=on_digest)
+    sub = await bus.subscribe(NODE_DIGEST.wildcard(job=job), on_digest, NodeDigest, trace_messages=False)
     try:
         plan: Plan | None = None
         try:
-            plan = _plan_of((await kv_latest(bus.js, JOBS_BUCKET, f"{job}.plan")).get(f"{job}.plan", b""))
+            plan = (await _plans(bus, f"{job}.plan")).get(f"{job}.plan")
         except Exception:
             plan = None
-        decided = [
-            decode(m.data, m.headers, PlanDecision)
-            for m in await _history(bus, DECISION.format(job=job), timeout_s=3.0)
-        ]
-        done = [
-            decode(m.data, m.headers, RecoveryDone)
-            for m in await _history(bus, RECOVERED.wildcard(job=job), timeout_s=3.0)
-        ]
+        decided = [s.msg for s in await _history(bus, DECISION.format(job=job), PlanDecision, timeout_s=3.0)]
+        done = [s.msg for s in await _history(bus, RECOVERED.wildcard(job=job), RecoveryDone, timeout_s=3.0)]
         await asyncio.sleep(max(0.0, listen_s))
     finally:
         await sub.unsubscribe()

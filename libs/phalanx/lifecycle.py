@@ -5,8 +5,8 @@ not on SIGTERM, which kills it outright: a benchmark under ``timeout 60`` used t
 leave its nats-server running (servers run in their own session, so the signal
 does not reach them either). :func:`exit_on_sigterm` turns SIGTERM into
 ``SystemExit(143)`` in the main thread, so the same cleanup runs as for Ctrl-C.
-Whatever starts servers or services calls it (:class:`phalanx.natsserver.NatsServer`,
-:class:`phalanx.localstack.LocalStack`, :class:`phalanx.s3server.S3Server`,
+Whatever starts servers or services calls it (:class:`phalanx.devstack.natsserver.NatsServer`,
+:class:`phalanx.devstack.localstack.LocalStack`, :class:`phalanx.devstack.s3server.S3Server`,
 ``phalanx up``).
 
 It only replaces the default action: a handler someone installed (an asyncio

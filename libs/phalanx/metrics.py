@@ -25,7 +25,7 @@ failure-detector (:class:`DetectorMetrics`)
     detector receives it (its wall clock minus the sender's ``ts``).
     ``phalanx_detections_total{job,verdict,cause}``: verdicts this detector
     published (``verdict`` rank_failed/rank_hung/node_lost, ``cause`` the
-    :class:`~phalanx.schemas.FaultCause`). Replicas each count their own.
+    :class:`~phalanx.contract.FaultCause`). Replicas each count their own.
 
 elasticity-planner (:class:`PlannerMetrics`; only the leader observes, a
 standby exports nothing job-labelled)
@@ -87,8 +87,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import choose_encoder
 
-from phalanx.schemas import Heartbeat
-from phalanx.settings import get_settings
+from phalanx.contract import Heartbeat
+from phalanx.settings import MetricsSettings, load
 from phalanx.tracesummary import PHASES as RECOVERY_PHASES
 
 __all__ = [
@@ -416,7 +416,7 @@ class MetricsServer:
 async def serve_metrics(metrics: Metrics, log: Any) -> MetricsServer | None:
     """Serve ``metrics`` where the settings say (None when ``PHALANX_METRICS_ENABLED`` is off);
     logs ``metrics_listening url=...``."""
-    settings = get_settings()
+    settings = load(MetricsSettings)
     if not settings.metrics_enabled:
         return None
     server = MetricsServer(metrics.registry, settings.metrics_host, settings.metrics_port)

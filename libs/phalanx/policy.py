@@ -3,7 +3,7 @@
 A policy follows a job on the bus and proposes world sizes; the elasticity-planner
 stays the single writer of membership: it validates each proposal (min and max
 world size, allowed sizes, spares at hand, the job running) and either commits a
-new generation (a ``grow`` or ``shrink`` :class:`~phalanx.schemas.PlanDecision`) or
+new generation (a ``grow`` or ``shrink`` :class:`~phalanx.contract.PlanDecision`) or
 answers ``reject`` with the reason. Start the job with ``phalanx run --no-auto-grow``
 so that growing is the policy's call (shrinks on faults and preemption still happen
 on their own).
@@ -12,7 +12,7 @@ What a policy reads (:meth:`PolicyClient.watch`): the committed plans (generatio
 members, spares, batch split), the planner's decisions, recoveries, one
 :class:`StepSample` per new step a rank reports in its node's digest, and the
 scheduler's capacity and preemption signals. What it publishes
-(:meth:`PolicyClient.propose`): a :class:`~phalanx.schemas.Proposal` on
+(:meth:`PolicyClient.propose`): a :class:`~phalanx.contract.Proposal` on
 ``phalanx.cmd.<job>.proposal``. Under an authorizing NATS server it connects as
 the ``policy`` role (``PHALANX_NATS_USER=policy``), which allows exactly that.
 
@@ -21,7 +21,7 @@ A complete policy, "grow whenever a spare is idle, trying each size once"::
     import asyncio
 
     from phalanx.policy import PolicyClient
-    from phalanx.schemas import Action, Plan, PlanDecision
+    from phalanx.contract import Action, Plan, PlanDecision
 
 
     async def main(job: str) -> None:
@@ -52,24 +52,12 @@ import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
 
-from phalanx.bus import COMMANDS, EVENTS, Bus, decode_on
-from phalanx.bus.subjects import (
-    CAPACITY,
-    DECISION,
-    NODE_DIGEST,
-    PLAN,
-    PREEMPT,
-    PROPOSAL,
-    RECOVERED,
-)
-from phalanx.schemas import (
+from phalanx.bus import Bus
+from phalanx.contract import (
     CapacityChanged,
-    DecodeError,
     Message,
     NodeDigest,
     Plan,
@@ -77,7 +65,16 @@ from phalanx.schemas import (
     PreemptionNotice,
     Proposal,
     RecoveryDone,
-    decode,
+)
+from phalanx.contract.streams import COMMANDS, EVENTS
+from phalanx.contract.subjects import (
+    CAPACITY,
+    DECISION,
+    NODE_DIGEST,
+    PLAN,
+    PREEMPT,
+    PROPOSAL,
+    RECOVERED,
 )
 from phalanx.telemetry import get_logger
 
@@ -180,6 +177,8 @@ class PolicyClient:
 
     def __init__(self, bus: Bus, name: str) -> None:
         self.bus = bus
+        # A policy is no error publisher (phalanx.err.*): what it refuses is logged only.
+        bus.bad_input.publish_events = False
         self.name = name
         self.log = get_logger(component="policy", policy=name)
         self.dropped = 0  # events a slow consumer of watch() lost (its queue was full)
@@ -223,7 +222,7 @@ class PolicyClient:
         ``batch``) or ``reject`` (``reason`` says why); check ``decision.action``.
         Raises :class:`ProposalTimeout` when no decision names the proposal within
         ``timeout_s`` (publishing included), and the bus's error when the proposal
-        cannot be published (e.g. :class:`~phalanx.bus._connection.PermissionDenied`).
+        cannot be published (e.g. :class:`~phalanx.bus.PermissionDenied`).
         """
         pid = proposal_id or new_proposal_id()
         proposal = Proposal(job=job, id=pid, policy=self.name, world_size=world_size, reason=reason[:500])
@@ -231,13 +230,14 @@ class PolicyClient:
         deadline = loop.time() + timeout_s
         answer: asyncio.Future[PlanDecision] = loop.create_future()
 
-        async def on_decision(raw: Msg) -> None:
-            msg = self._decode(raw, (PlanDecision,))
-            if isinstance(msg, PlanDecision) and msg.proposal == pid and not answer.done():
+        async def on_decision(msg: PlanDecision, raw: Msg) -> None:
+            if msg.proposal == pid and not answer.done():
                 answer.set_result(msg)
 
         # Subscribed before publishing: the answer cannot come before we listen.
-        sub = await self.bus.nc.subscribe(DECISION.format(job=job), cb=on_decision)
+        sub = await self.bus.subscribe(
+            DECISION.format(job=job), on_decision, PlanDecision, trace_messages=False
+        )
         try:
             self.log.info("proposal", job=job, proposal=pid, world_size=world_size, reason=reason)
             await self.bus.publish(
@@ -266,14 +266,14 @@ class PolicyClient:
         return decision
 
     async def _stored_decision(self, job: str) -> PlanDecision | None:
-        msg = await self._last_in_stream(EVENTS.name, DECISION.format(job=job))
-        return msg if isinstance(msg, PlanDecision) else None
+        stored = await self.bus.streams.last(EVENTS, DECISION.format(job=job), PlanDecision)
+        return stored.msg if stored is not None else None
 
     # -- following -----------------------------------------------------------------
     async def latest_plan(self, job: str) -> Plan | None:
         """The last plan published for ``job`` (from the command stream), or None."""
-        msg = await self._last_in_stream(COMMANDS.name, PLAN.format(job=job))
-        return msg if isinstance(msg, Plan) else None
+        stored = await self.bus.streams.last(COMMANDS, PLAN.format(job=job), Plan)
+        return stored.msg if stored is not None else None
 
     async def watch(
         self,
@@ -306,7 +306,7 @@ class PolicyClient:
         )
         queue: asyncio.Queue[Event] = asyncio.Queue(queue_size)
         sampler = StepSampler(all_ranks=all_ranks)
-        newest = 0  # the newest plan generation handed out
+        newest: Plan | None = None  # the newest plan handed out (Plan.supersedes)
 
         def put(event: Event) -> None:
             try:
@@ -318,14 +318,13 @@ class PolicyClient:
 
         def on_plan(plan: Plan) -> None:
             nonlocal newest
-            if plan.generation <= newest:
+            if not plan.supersedes(newest):
                 return
-            newest = plan.generation
+            newest = plan
             sampler.worlds[plan.generation] = plan.world_size
             put(plan)
 
-        async def on_msg(raw: Msg) -> None:
-            msg = self._decode(raw, kinds)
+        async def on_msg(msg: Message, raw: Msg) -> None:
             if isinstance(msg, Plan):
                 on_plan(msg)
             elif isinstance(msg, NodeDigest):
@@ -350,7 +349,7 @@ class PolicyClient:
             CAPACITY.wildcard(**where),
             PREEMPT.wildcard(**where),
         ]
-        subs = [await self.bus.nc.subscribe(s, cb=on_msg, pending_msgs_limit=1_000_000) for s in subjects]
+        subs = [await self.bus.subscribe(s, on_msg, kinds, trace_messages=False) for s in subjects]
         try:
             plan = await self.latest_plan(job)  # after subscribing: nothing newer slips between
             if plan is not None:
@@ -361,27 +360,3 @@ class PolicyClient:
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-
-    # -- decoding ------------------------------------------------------------------
-    def _decode(self, raw: Msg, kinds: tuple[type[Message], ...]) -> Message | None:
-        """The message in ``raw`` when it is one of ``kinds`` and names its subject's job.
-
-        A policy is no error publisher (``phalanx.err.*``): what it refuses is logged only.
-        """
-        try:
-            msg = decode_on(raw, kinds)
-        except DecodeError as err:
-            self.log.warning("bad_input", subject=raw.subject, reason=err.reason, kind=err.kind)
-            return None
-        return msg
-
-    async def _last_in_stream(self, stream: str, subject: str) -> Message | None:
-        try:
-            raw: Any = await self.bus.js.get_last_msg(stream, subject)
-        except NotFoundError:
-            return None
-        try:
-            return decode(raw.data or b"", raw.headers)
-        except DecodeError as err:
-            self.log.warning("bad_input", subject=subject, reason=err.reason, kind=err.kind)
-            return None

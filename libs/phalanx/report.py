@@ -15,17 +15,12 @@ generation as a line, and one stacked bar of phase durations per incident.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nats.js import JetStreamContext
-
-from phalanx.bus.subjects import PLAN
-from phalanx.bus.topology import COMMANDS, EVENTS, stream_history
-from phalanx.schemas import (
-    DecodeError,
+from phalanx.bus import Bus
+from phalanx.contract import (
     Message,
     NodeLost,
     Plan,
@@ -36,8 +31,9 @@ from phalanx.schemas import (
     RecoveryDone,
     StepRecord,
     StepStats,
-    decode,
 )
+from phalanx.contract.streams import COMMANDS, EVENTS, StreamSpec
+from phalanx.contract.subjects import PLAN
 from phalanx.tracesummary import PHASES, SpanRecord, incidents
 
 __all__ = ["Generation", "RunIncident", "RunReport", "load_run", "read_stream", "render"]
@@ -99,22 +95,16 @@ class RunReport:
         return min(times, default=0.0)
 
 
-async def read_stream(
-    js: JetStreamContext, stream: str, subject: str, timeout_s: float = 5.0
-) -> list[Message]:
+async def read_stream(bus: Bus, stream: StreamSpec, subject: str, timeout_s: float = 5.0) -> list[Message]:
     """Every message on ``subject`` (a filter) still in ``stream``, oldest first, decoded
-    (what fails to decode is left out); read by :func:`phalanx.bus.topology.stream_history`."""
-    out: list[Message] = []
-    for msg in await stream_history(js, subject, timeout_s, stream=stream):
-        with contextlib.suppress(DecodeError):
-            out.append(decode(msg.data, msg.headers))
-    return out
+    (what fails to decode is left out): :meth:`phalanx.bus.streams.Streams.history`."""
+    return [s.msg for s in await bus.streams.history(subject, Message, stream=stream, timeout_s=timeout_s)]
 
 
-async def load_run(js: JetStreamContext, job: str, *, spans: list[SpanRecord] | None = None) -> RunReport:
+async def load_run(bus: Bus, job: str, *, spans: list[SpanRecord] | None = None) -> RunReport:
     """The run of ``job`` from the events stream (and the traces in ``spans``, if given)."""
-    events = await read_stream(js, EVENTS.name, f"phalanx.evt.{job}.>")
-    plans = [m for m in await read_stream(js, COMMANDS.name, PLAN.format(job=job)) if isinstance(m, Plan)]
+    events = await read_stream(bus, EVENTS, f"phalanx.evt.{job}.>")
+    plans = [m for m in await read_stream(bus, COMMANDS, PLAN.format(job=job)) if isinstance(m, Plan)]
     steps: dict[tuple[str, int, int], StepRecord] = {}
     faults: dict[str, RankFailed | RankHung | NodeLost] = {}
     decisions: list[PlanDecision] = []

@@ -24,10 +24,10 @@ from typing import Any, ClassVar
 from nats.aio.msg import Msg
 
 from phalanx.bus import Bus
-from phalanx.bus.subjects import HEALTH
+from phalanx.contract import HealthReply, Ping
+from phalanx.contract.subjects import HEALTH
 from phalanx.metrics import Metrics, MetricsServer, serve_metrics
-from phalanx.schemas import HealthReply, Ping, encode
-from phalanx.settings import get_settings
+from phalanx.settings import ServiceSettings, load
 from phalanx.telemetry import get_logger, setup_logging, setup_tracing, shutdown_tracing
 
 
@@ -37,6 +37,8 @@ class Service:
     name: ClassVar[str] = "service"
     metrics_type: ClassVar[type[Metrics]] = Metrics
     """The service's metrics (:mod:`phalanx.metrics`); a subclass names its own set."""
+    settings_type: ClassVar[type[ServiceSettings]] = ServiceSettings
+    """The service's settings model (:mod:`phalanx.settings`); a subclass names its own."""
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
@@ -58,7 +60,7 @@ class Service:
     def health(self) -> HealthReply:
         return HealthReply(
             service=self.name,
-            status="ok" if self.bus.nc.is_connected else "degraded",
+            status="ok" if self.bus.is_connected else "degraded",
             uptime_s=time.monotonic() - self.started,
             instance=self.instance,
             details={
@@ -68,12 +70,10 @@ class Service:
         )
 
     async def serve_health(self) -> None:
-        async def on_ping(raw: Msg) -> None:
-            payload, headers = encode(self.health())
-            if raw.reply:
-                await self.bus.nc.publish(raw.reply, payload, headers=headers)
+        async def on_ping(ping: Ping, raw: Msg) -> None:
+            await self.bus.reply(raw, self.health())
 
-        await self.bus.nc.subscribe(HEALTH.format(service=self.name), cb=on_ping)
+        await self.bus.subscribe(HEALTH.format(service=self.name), on_ping, Ping, trace_messages=False)
 
 
 async def run_service(
@@ -83,7 +83,7 @@ async def run_service(
 
     A malformed ``PHALANX_*`` setting raises :class:`~phalanx.settings.SettingsError`
     before anything starts (a service's ``__main__`` turns it into exit status 2)."""
-    get_settings()
+    load(cls.settings_type)
     setup_logging(cls.name)
     setup_tracing(cls.name)
     log = get_logger(component=cls.name)
@@ -108,7 +108,7 @@ async def run_service(
     log.info(
         "service_started",
         instance=svc.instance,
-        nats=str(bus.nc.connected_url.netloc if bus.nc.connected_url else ""),
+        nats=bus.server,
     )
     try:
         await stop.wait()

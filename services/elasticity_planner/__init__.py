@@ -1,8 +1,10 @@
 """elasticity-planner: the single writer of job membership.
 
-Faults (RankFailed / RankHung), registrations and job specs come in; a
-:class:`~phalanx.services.elasticity_planner.policy.Policy` turns each incident
-into a :class:`~phalanx.services.elasticity_planner.policy.Decision`; a decision
-that changes membership is committed as a new generation in KV by
-compare-and-set, then published as a Plan.
+Job specs, registrations, faults (RankFailed / RankHung / NodeLost), exits,
+acknowledgements, collective errors, proposals and scheduler signals come in as
+typed events (:mod:`.events`); the pure reducer (:mod:`.reducer`) turns each into
+the job's next state and effects, asking a :class:`~.failure_policy.FailurePolicy`
+and a :class:`~.scaling_policy.ScalingPolicy` for the decisions; the service
+(:mod:`.service`) commits the new state by compare-and-set in KV, then runs the
+effects (:mod:`.runner`): a membership change is published as a Plan.
 """

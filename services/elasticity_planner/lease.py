@@ -31,9 +31,8 @@ from __future__ import annotations
 import time
 
 import msgpack
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 
+from phalanx.bus import Bucket, Conflict
 from phalanx.telemetry import get_logger
 
 LEASE_KEY = "planner-leader"  # no dot: never a job's "<job>.plan"
@@ -44,7 +43,7 @@ class NotLeader(RuntimeError):
 
 
 class Lease:
-    def __init__(self, kv: KeyValue, instance: str, ttl_s: float = 1.0) -> None:
+    def __init__(self, kv: Bucket, instance: str, ttl_s: float = 1.0) -> None:
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be positive, got {ttl_s}")
         self.kv = kv
@@ -81,26 +80,24 @@ class Lease:
         Returns whether this replica is leader afterwards."""
         now = time.monotonic()
         if self.token:
+            assert self._revision is not None  # set with the token
             try:
                 self._revision = await self.kv.update(LEASE_KEY, self._value(), last=self._revision)
                 self._valid_until = now + self.ttl_s * 0.8
-            except KeyWrongLastSequenceError:
+            except Conflict:
                 self.resign("another replica took the lease")
             except Exception as exc:  # NATS unreachable: leader until the lease runs out
                 if time.monotonic() >= self._valid_until:
                     self.resign(f"could not renew: {exc!r}")
             return self.is_leader()
         try:
-            entry = await self.kv.get(LEASE_KEY)
-        except KeyNotFoundError:
-            entry = None
+            entry = await self.kv.get(LEASE_KEY)  # None: never written, or released
         except Exception as exc:
             self.log.debug("lease_read_failed", error=repr(exc))
             return False
-        if entry is None or entry.value is None or entry.operation is not None:
+        if entry is None or not entry.value:
             acquire = self.kv.create(LEASE_KEY, self._value())
         else:
-            assert entry.revision is not None
             if self._seen is None or self._seen[0] != entry.revision:
                 self._seen = (entry.revision, now)  # it moved: the holder is alive
                 return False
@@ -142,12 +139,11 @@ class Lease:
         self.token = 0
 
 
-async def leader_pid(kv: KeyValue) -> int | None:
+async def leader_pid(kv: Bucket) -> int | None:
     """The process id of the planner holding the lease (its instance is ``host:pid:nonce``),
     or None when nobody holds it. For operators' tools and tests that kill the leader."""
-    try:
-        entry = await kv.get(LEASE_KEY)
-    except KeyNotFoundError:
+    entry = await kv.get(LEASE_KEY)
+    if entry is None:
         return None
     try:
         return int(Lease.holder(entry.value).split(":")[1])

@@ -13,7 +13,9 @@ fault (a second crash during the first recovery) is carried into that one: its
 downtime runs until the job trains again, so it completes with it (its own
 detect/plan/notify, and total from its own fault). A report of a newer generation
 completes whatever is open (a planned resize may follow before every old member
-reported). One that gets no complete set of reports within ``timeout_s`` is
+reported). Acknowledgements and reports arrive by different consumers: a recovery
+whose reports are all in while its plan's acknowledgements are still due
+(``acks_due``) completes with the last acknowledgement. One that gets no complete set of reports within ``timeout_s`` is
 observed with the reports it has; with none, it is dropped with a warning, counted
 by neither metric. Only the leader keeps the book; a replica that stops leading
 forgets it (a recovery in flight across a leader change is not observed).
@@ -26,24 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from phalanx.contract import RecoveryDone
 from phalanx.metrics import PlannerMetrics
-from phalanx.schemas import FaultCause, RecoveryDone
 
 RANK_PHASES = ("abort", "comm_init", "state_transfer", "data_restore", "first_step")
-
-
-def cause_class(cause: str) -> str:
-    """The ``cause`` label of a fault: crash, hang, collective_hang, node_lost, collective_error.
-
-    >>> cause_class("process_exit"), cause_class("step_stall"), cause_class("collective_error")
-    ('crash', 'hang', 'collective_error')
-    """
-    return {
-        FaultCause.PROCESS_EXIT.value: "crash",
-        FaultCause.HEARTBEAT_LOST.value: "hang",
-        FaultCause.STEP_STALL.value: "hang",
-        FaultCause.COLLECTIVE_HANG.value: "collective_hang",
-    }.get(cause, cause)
 
 
 @dataclass(frozen=True)
@@ -77,10 +65,12 @@ class RecoveryBook:
         log: Any,
         timeout_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        acks_due: Callable[[str, int], bool] = lambda job, generation: False,
     ) -> None:
         self.metrics, self.log = metrics, log
         self.timeout_s = timeout_s
         self.clock = clock
+        self.acks_due = acks_due  # whether (job, generation) has acknowledgements on their way
         self._open: dict[str, _Recovery] = {}  # job -> the recovery of its newest generation
         self.observed = 0
 
@@ -106,6 +96,8 @@ class RecoveryBook:
         rec = self._open.get(job)
         if rec is not None and rec.generation == generation and rec.acked_at is None:
             rec.acked_at = at
+            if rec.members <= rec.reports.keys():  # every report came first (see reported)
+                self._complete(rec)
 
     def reported(self, done: RecoveryDone) -> None:
         rec = self._open.get(done.job)
@@ -115,7 +107,10 @@ class RecoveryBook:
             self._complete(rec, end=done.ts)
         elif done.generation == rec.generation and done.worker in rec.members:
             rec.reports[done.worker] = done
-            if rec.members <= rec.reports.keys():
+            # Acks and reports come by different consumers: the last ack may still be queued
+            # behind another input when the last report is in. Complete with it, then.
+            acks_due = rec.acked_at is None and self.acks_due(rec.job, rec.generation)
+            if rec.members <= rec.reports.keys() and not acks_due:
                 self._complete(rec)
 
     def expire(self) -> None:

@@ -11,11 +11,12 @@ import gc
 from phalanx.services.failure_detector.service import FailureDetector
 
 from phalanx.service import run_service
-from phalanx.settings import settings_or_exit
+from phalanx.settings import load_or_exit
 
 
 def main() -> None:
-    settings_or_exit(FailureDetector.name)  # a bad PHALANX_* value: one line, exit status 2
+    # a bad PHALANX_* value: one line, exit status 2
+    load_or_exit(FailureDetector.settings_type, FailureDetector.name)
     # Objects alive after start-up (modules, pydantic schemas) never die: keep them
     # out of the collector's way so its pauses stay short.
     gc.freeze()

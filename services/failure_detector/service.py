@@ -23,18 +23,19 @@ It listens to
   digest entry from another pid is refused, see :mod:`.detector`, "Inputs are
   checked");
 
-and publishes one verdict per incident: :class:`~phalanx.schemas.RankFailed` on
+and publishes one verdict per incident: :class:`~phalanx.contract.RankFailed` on
 ``phalanx.evt.<job>.failed`` (a process exited non-zero or by a signal) or
-:class:`~phalanx.schemas.RankHung` on ``phalanx.evt.<job>.hung`` (heartbeats lost,
+:class:`~phalanx.contract.RankHung` on ``phalanx.evt.<job>.hung`` (heartbeats lost,
 or a step stall), with the incident id ``<job>:<worker>:<pid>`` as
 ``Nats-Msg-Id``, so a detector restart or a second path never makes a second event;
-and :class:`~phalanx.schemas.NodeLost` on ``phalanx.evt.<job>.node_lost`` when a
+and :class:`~phalanx.contract.NodeLost` on ``phalanx.evt.<job>.node_lost`` when a
 node's digests stop (id ``<job>:node:<node>:<launcher>``; its workers get no
 ``RankHung`` of their own for that silence).
 
 Each verdict opens a new trace: a root span ``detect`` that starts at the
 inferred fault time, links to the message that triggered it (an exit report),
-and ends once the event is stored; the event carries that trace downstream.
+and ends once the event is stored; the event carries that trace downstream
+(:mod:`.publish`).
 
 A tick loop asks the detector for expired deadlines. Before it judges, it makes
 sure every heartbeat the server already sent has been observed (a PING/PONG
@@ -106,36 +107,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
-from opentelemetry import trace
-from opentelemetry.context import Context
-from opentelemetry.trace import Link, SpanKind
-from phalanx.services.failure_detector.detector import (
-    Clock,
-    Detector,
-    DetectorConfig,
-    NodeIncident,
-    Verdict,
-)
+from phalanx.services.failure_detector.config import Clock, DetectorConfig
+from phalanx.services.failure_detector.detector import Detector
+from phalanx.services.failure_detector.publish import VerdictPublisher
 from phalanx.services.failure_detector.wire import read_digest
 
-from phalanx.bus import COMMANDS, EVENTS, Bus
-from phalanx.bus.subjects import (
-    EXITED,
-    FAILED,
-    HEARTBEAT,
-    HUNG,
-    JOINED,
-    NODE_DIGEST,
-    NODE_LOST,
-    PLAN,
-    REGISTERED,
-    SPAWN,
-    Subject,
-)
-from phalanx.metrics import DetectorMetrics
-from phalanx.schemas import (
+from phalanx.bus import Bus
+from phalanx.contract import (
     DecodeError,
-    FaultCause,
     Heartbeat,
     Message,
     NodeDigest,
@@ -146,14 +125,22 @@ from phalanx.schemas import (
     SpawnWorkers,
     decode,
 )
+from phalanx.contract.streams import COMMANDS, EVENTS
+from phalanx.contract.subjects import (
+    EXITED,
+    HEARTBEAT,
+    JOINED,
+    NODE_DIGEST,
+    PLAN,
+    REGISTERED,
+    SPAWN,
+)
+from phalanx.metrics import DetectorMetrics
 from phalanx.service import Service
-from phalanx.settings import Settings, get_settings
+from phalanx.settings import DetectorSettings, load
 from phalanx.telemetry import extract_context
 
 __all__ = ["FailureDetector", "ServiceConfig"]
-
-_tracer = trace.get_tracer("phalanx.failure_detector")
-
 
 _REPLICA = re.compile(r"[A-Za-z0-9_-]{1,32}")
 
@@ -208,33 +195,30 @@ class ServiceConfig:
         return cls(**values)
 
     @classmethod
-    def from_settings(cls, settings: Settings | None = None) -> ServiceConfig:
-        """The ``PHALANX_*`` knobs above (default: this process's :func:`get_settings`)."""
-        s = settings or get_settings()
-        hb = s.heartbeat_ms / 1e3
+    def from_settings(cls, settings: DetectorSettings | None = None) -> ServiceConfig:
+        """The ``PHALANX_*`` knobs above (default: this process's :class:`DetectorSettings`),
+        in seconds as the settings give them (no conversion here)."""
+        s = settings or load(DetectorSettings)
+        hb = s.heartbeat_interval_s
         base = cls.for_interval(hb)
         detector = DetectorConfig(
             phi_threshold=s.detector_phi,
             window=s.detector_window,
             min_std_ratio=s.detector_min_std_ratio,
-            min_std_s=s.detector_min_std_ms / 1e3,
+            min_std_s=s.detector_min_std_s,
             pause_ratio=s.detector_pause_ratio,
-            digest_slack_ratio=s.detector_digest_slack,
-            stall_floor_s=s.stall_floor_ms / 1e3,
+            digest_slack_ratio=s.detector_digest_slack_ratio,
+            stall_floor_s=s.stall_floor_s,
             stall_factor=s.stall_factor,
-            stall_initial_s=s.stall_initial_ms / 1e3,
+            stall_initial_s=s.stall_initial_s,
             mass_hold_s=s.detector_mass_hold_s,
         )
-
-        def ms(value: float | None, derived_s: float) -> float:
-            return derived_s if value is None else value / 1e3
-
         return cls(
             detector=detector,
             heartbeat_s=hb,
-            tick_s=ms(s.detector_tick_ms, base.tick_s),
-            max_lag_s=ms(s.detector_max_lag_ms, base.max_lag_s),
-            reconnect_grace_s=ms(s.detector_grace_ms, base.reconnect_grace_s),
+            tick_s=s.detector_tick_s or base.tick_s,
+            max_lag_s=s.detector_max_lag_s or base.max_lag_s,
+            reconnect_grace_s=s.detector_grace_s or base.reconnect_grace_s,
             job=s.detector_job,
             exit_max_age_s=s.detector_exit_max_age_s,
             replica=s.detector_replica,
@@ -255,6 +239,7 @@ class FailureDetector(Service):
 
     name = "failure-detector"
     metrics_type = DetectorMetrics
+    settings_type = DetectorSettings
     metrics: DetectorMetrics
 
     def __init__(
@@ -269,8 +254,7 @@ class FailureDetector(Service):
         self.config = config or ServiceConfig.from_settings()
         self.detector = Detector(self.config.detector, clock=clock, wall=wall)
         self.clock, self.wall = clock, wall
-        self.reported = 0
-        self.publish_retries = 0
+        self.verdicts = VerdictPublisher(bus, self.metrics, self.log, wall)
         self.stale_exits = 0
         self.lag_holds = 0
         self.backlog_holds = 0
@@ -278,7 +262,6 @@ class FailureDetector(Service):
         self._hb_sub: Any = None
         self._digest_sub: Any = None
         self._tick_task: asyncio.Task[None] | None = None
-        self._reports: set[asyncio.Task[None]] = set()
         self._ping: asyncio.Task[None] | None = None
         self._ping_epoch = 0
         """``bus.reconnects`` when that PING was sent."""
@@ -294,13 +277,11 @@ class FailureDetector(Service):
             HEARTBEAT.wildcard(**tokens), self._on_heartbeat, Heartbeat, trace_messages=False
         )
         # Not Bus.subscribe: digests take the fast path of _on_digest_raw.
-        self._digest_sub = await self.bus.nc.subscribe(
-            NODE_DIGEST.wildcard(**tokens), cb=self._on_digest_raw, pending_msgs_limit=1_000_000
-        )
+        self._digest_sub = await self.bus.subscribe_raw(NODE_DIGEST.wildcard(**tokens), self._on_digest_raw)
         # Which node runs which worker: every answer the stream holds, from its start.
         for stream, what in ((EVENTS, "joins"), (COMMANDS, "spawns")):
-            with contextlib.suppress(Exception):  # (none yet)
-                await self.bus.js.delete_consumer(stream.name, cfg.durable(what))
+            with contextlib.suppress(Exception):  # (a server away: the consumer reads on from where it was)
+                await self.bus.streams.delete_consumer(stream, cfg.durable(what))
         self.bus.consume(
             EVENTS, cfg.durable("joins"), [JOINED.wildcard(**tokens)], self._on_placed, (NodeJoined,)
         )
@@ -335,10 +316,7 @@ class FailureDetector(Service):
                 await self._tick_task
         if self._ping is not None and not self._ping.done():  # not cancelled: see _caught_up
             await asyncio.wait({self._ping}, timeout=1.0)
-        if self._reports:  # let verdicts already decided reach the bus
-            _, pending = await asyncio.wait(set(self._reports), timeout=5.0)
-            for t in pending:
-                t.cancel()
+        await self.verdicts.drain(timeout=5.0)  # let verdicts already decided reach the bus
         for sub in (self._hb_sub, self._digest_sub):
             if sub is not None:
                 with contextlib.suppress(Exception):
@@ -349,9 +327,9 @@ class FailureDetector(Service):
         return {
             "tracked_workers": len(self.detector),
             "tracked_nodes": sum(1 for _ in self.detector.nodes()),
-            "incidents_reported": self.reported,
+            "incidents_reported": self.verdicts.reported,
             "incidents_decided": s.incidents,
-            "pending_reports": len(self._reports),
+            "pending_reports": self.verdicts.pending,
             "decode_errors": self.bus.decode_errors,
             "bad_input_suppressed": self.bus.bad_input_suppressed,
             "registrations": s.registrations,
@@ -379,7 +357,7 @@ class FailureDetector(Service):
             "lag_holds": self.lag_holds,
             "backlog_holds": self.backlog_holds,
             "deaf_holds": self.deaf_holds,
-            "publish_retries": self.publish_retries,
+            "publish_retries": self.verdicts.retries,
             "reconnects": self.bus.reconnects,
             "ticks": self.ticks,
         }
@@ -471,7 +449,7 @@ class FailureDetector(Service):
             )
             return
         # Acked only once the verdict is stored: a crash here redelivers the exit.
-        await self._report(incident, extract_context(raw.headers))
+        await self.verdicts.publish(incident, extract_context(raw.headers))
 
     async def _on_registered(self, msg: Message, raw: Msg) -> None:
         if not isinstance(msg, Registered):  # (the bus checked its subject names its job and worker)
@@ -513,7 +491,7 @@ class FailureDetector(Service):
             lag, last = now - last - cfg.tick_s, now
             self.ticks += 1
             try:
-                if not self.bus.nc.is_connected:
+                if not self.bus.is_connected:
                     self.detector.hold(now + cfg.reconnect_grace_s)
                     continue
                 if self._deaf():
@@ -534,9 +512,7 @@ class FailureDetector(Service):
                     self.detector.hold(self.clock())
                     continue
                 for incident in self.detector.tick():
-                    task = asyncio.create_task(self._report(incident), name=f"report:{incident.id}")
-                    self._reports.add(task)
-                    task.add_done_callback(self._reports.discard)
+                    self.verdicts.spawn(incident)
                 for h in self.detector.take_mass_holds():
                     self.log.warning(
                         "mass_silence_hold",
@@ -575,7 +551,7 @@ class FailureDetector(Service):
         # nats.py annotates the timeout as int; it is handed to asyncio.wait_for. Long
         # enough never to expire on a live connection (see above).
         self._ping_epoch = self.bus.reconnects
-        self._ping = ping = asyncio.create_task(self.bus.nc.flush(timeout=3600), name="failure-detector-ping")  # type: ignore[arg-type]
+        self._ping = ping = asyncio.create_task(self.bus.flush(3600), name="failure-detector-ping")
         done, _ = await asyncio.wait({ping}, timeout=self.config.drain_timeout_s)
         if not done or ping.cancelled() or ping.exception() is not None:
             return False
@@ -593,69 +569,4 @@ class FailureDetector(Service):
         """Whether the NATS client stopped reading while it says it is connected (its
         read loop ended on an error it does not recover from): nothing is heard, so
         nobody may be judged."""
-        reader = getattr(self.bus.nc, "_reading_task", None)
-        return reader is not None and reader.done()
-
-    async def _report(self, incident: Verdict, trigger: Context | None = None) -> None:
-        """Publish one verdict inside its own trace, retrying until it is stored."""
-        links = []
-        if trigger is not None:
-            ctx = trace.get_current_span(trigger).get_span_context()
-            if ctx.is_valid:
-                links.append(Link(ctx, {"phalanx.link": "trigger"}))
-        attrs: dict[str, str | int | float | bool] = {
-            "phalanx.job": incident.job,
-            "phalanx.cause": incident.cause.value,
-            "phalanx.incident": incident.id,
-        }
-        subject: Subject
-        if isinstance(incident, NodeIncident):
-            attrs.update({"phalanx.node": incident.node, "phalanx.launcher": incident.launcher})
-            subject = NODE_LOST
-            who: dict[str, Any] = {"node": incident.node, "workers": list(incident.workers)}
-        else:
-            attrs.update(
-                {
-                    "phalanx.worker": incident.worker,
-                    "phalanx.rank": incident.rank,
-                    "phalanx.generation": incident.generation,
-                    "phalanx.pid": incident.pid,
-                }
-            )
-            subject = FAILED if incident.cause is FaultCause.PROCESS_EXIT else HUNG
-            who = {"rank": incident.rank, "generation": incident.generation}
-        verdict = "node_lost" if subject is NODE_LOST else "rank_failed" if subject is FAILED else "rank_hung"
-        attrs.update({f"phalanx.evidence.{k}": v for k, v in incident.evidence.items()})
-        start_ns = int(min(incident.fault_at, self.wall()) * 1e9)
-        event = incident.to_event()
-        with _tracer.start_as_current_span(
-            "detect",
-            context=Context(),
-            kind=SpanKind.INTERNAL,
-            start_time=start_ns,
-            links=links,
-            attributes=attrs,
-        ) as span:
-            delay = 0.2
-            while True:
-                try:
-                    await self.bus.publish(subject, event, msg_id=incident.id, job=incident.job)
-                    break
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    self.publish_retries += 1
-                    self.log.warning("report_retry", incident=incident.id, error=repr(exc))
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, 2.0)
-            span.set_attribute("phalanx.detect_ms", round((event.detected_at - incident.fault_at) * 1e3, 2))
-        self.reported += 1
-        self.metrics.detections.labels(incident.job, verdict, incident.cause.value).inc()
-        self.log.warning(
-            "incident",
-            incident=incident.id,
-            cause=incident.cause.value,
-            **who,
-            detect_ms=round((event.detected_at - incident.fault_at) * 1e3, 1),
-            evidence=incident.evidence,
-        )
+        return not self.bus.reading

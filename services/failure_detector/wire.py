@@ -1,10 +1,10 @@
-"""A fast reader for :class:`~phalanx.schemas.NodeDigest` payloads: the detector's hot path.
+"""A fast reader for :class:`~phalanx.contract.NodeDigest` payloads: the detector's hot path.
 
 At 2,000 nodes every node's launcher sends one digest per heartbeat interval
-(4,000/s at 500 ms). Through :func:`~phalanx.schemas.decode` each costs a pydantic
+(4,000/s at 500 ms). Through :func:`~phalanx.contract.decode` each costs a pydantic
 model per entry (~50 us for 8 entries), as much as the detection itself. This
 reader checks a well-formed digest field by field against the same schema and
-returns plain tuples (:data:`~.detector.DigestRow`) for
+returns plain tuples (:data:`~.digests.DigestRow`) for
 :meth:`~.detector.Detector.observe_digest_rows`.
 
 It accepts a subset of what :func:`decode` accepts and returns None for anything
@@ -13,7 +13,7 @@ unknown field, wrong headers, malformed msgpack...); the caller then runs the fu
 :func:`decode`, which refuses a bad digest with the very :class:`DecodeError` of
 every other subscription (or accepts a lax but valid one).
 
->>> from phalanx.schemas import DigestEntry, Phase, encode
+>>> from phalanx.contract import DigestEntry, Phase, encode
 >>> e = DigestEntry(worker="w0", pid=7, seq=3, rank=0, generation=1, step=3,
 ...                 step_ms=5.0, phase=Phase.COMPUTE, phase_ms=1.0, age_ms=2.0)
 >>> data, headers = encode(NodeDigest(job="j", node="n", launcher="l", host="h",
@@ -30,10 +30,10 @@ import re
 from typing import Any
 
 import msgpack
-from phalanx.services.failure_detector.detector import DigestRow
+from phalanx.services.failure_detector.digests import DigestRow
 
-from phalanx.schemas import DigestEntry, NodeDigest, Phase
-from phalanx.schemas.codec import ENCODING, HDR_ENCODING, HDR_KIND, HDR_SCHEMA
+from phalanx.contract import DigestEntry, NodeDigest, Phase
+from phalanx.contract.codec import ENCODING, HDR_ENCODING, HDR_KIND, HDR_SCHEMA
 
 __all__ = ["DigestFields", "read_digest"]
 

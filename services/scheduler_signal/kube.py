@@ -53,7 +53,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.watch import Watch
 from phalanx.services.scheduler_signal.sources import Emit, Ledger
 
-from phalanx.settings import get_settings
+from phalanx.settings import SchedulerSignalSettings, load
 from phalanx.telemetry import get_logger
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -538,9 +538,9 @@ class KubeConfig:
         In a pod the API server, token and CA are the ones the client's in-cluster
         configuration would use (``KUBERNETES_SERVICE_HOST``/``PORT``, the service
         account's files); ``PHALANX_K8S_API`` overrides the server (e.g. ``kubectl proxy``).
-        The ``PHALANX_K8S_*`` knobs come from :func:`phalanx.settings.get_settings`.
+        The ``PHALANX_K8S_*`` knobs come from :class:`phalanx.settings.SchedulerSignalSettings`.
         """
-        settings = get_settings()
+        settings = load(SchedulerSignalSettings)
         host = os.environ.get("KUBERNETES_SERVICE_HOST")
         port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
         in_cluster = bool(host) and (sa_dir / "token").exists()
@@ -567,7 +567,7 @@ class KubeConfig:
         )
 
 
-class TokenFile:
+class ServiceAccountToken:
     """A bearer token file, read again whenever it changes (projected tokens rotate)."""
 
     def __init__(self, path: Path) -> None:
@@ -598,7 +598,7 @@ def client_configuration(cfg: KubeConfig) -> Configuration:
     if cfg.ca_file is not None:
         conf.ssl_ca_cert = str(cfg.ca_file)
     if cfg.token_file is not None:
-        token = TokenFile(cfg.token_file)
+        token = ServiceAccountToken(cfg.token_file)
         conf.api_key = {"BearerToken": token.read()}
         conf.api_key_prefix = {"BearerToken": "Bearer"}
         conf.refresh_api_key_hook = token.refresh

@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import nats.errors
 from nats.js.errors import NotFoundError
-from nats.js.kv import KeyValue
 from phalanx.services.scheduler_signal.sources import Emit, Ledger, state_signals
 
-from phalanx.bus import CLUSTER_BUCKET, Bus
-from phalanx.cluster import ClusterState, check_name, parse_record
+from phalanx.bus import Bus, KvEntry
+from phalanx.bus.keywatch import WatchLost
+from phalanx.cluster import check_name, parse_record
+from phalanx.contract.cluster import ClusterState
+from phalanx.contract.streams import CLUSTER_BUCKET
 from phalanx.telemetry import get_logger
 
 
@@ -78,12 +79,12 @@ class KvClusterSource:
             await asyncio.sleep(self.retry_s)
 
     async def _watch(self, emit: Emit) -> None:
-        kv: KeyValue = await self.bus.js.key_value(CLUSTER_BUCKET)
+        kv = await self.bus.kv.bucket(CLUSTER_BUCKET)
         self._missing_logged = False
         reconnects = self.bus.reconnects
         # Not cancelled half-way: a watch whose subscription exists but was never
         # returned could not be stopped, and would hold up the connection's drain.
-        starting = asyncio.ensure_future(kv.watchall())
+        starting = asyncio.ensure_future(kv.watch_all())
         try:
             watcher = await asyncio.shield(starting)
         except asyncio.CancelledError:
@@ -94,22 +95,22 @@ class KvClusterSource:
         try:
             while True:
                 try:
-                    entry = await watcher.updates(timeout=self.check_s)
-                except nats.errors.TimeoutError:
+                    entry = await watcher.next(self.check_s)
+                except TimeoutError:
                     if self.bus.reconnects != reconnects:
                         return  # the ordered consumer may be gone with the old connection
                     continue
+                except WatchLost:  # the watcher was stopped
+                    return
                 if entry is None:  # every record's latest revision was delivered
                     self.synced = True
                     continue
-                if not isinstance(entry, KeyValue.Entry):  # the watcher was stopped
-                    return
                 await self.handle(entry, emit)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(watcher.stop())
 
-    async def handle(self, entry: KeyValue.Entry, emit: Emit) -> None:
+    async def handle(self, entry: KvEntry, emit: Emit) -> None:
         """Emit what one revision of a record changed."""
         try:
             cluster = check_name("cluster", entry.key)

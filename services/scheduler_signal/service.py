@@ -21,21 +21,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from nats.js.errors import NotFoundError
 from opentelemetry import trace
 from phalanx.services.scheduler_signal.kube import KubeConfig, KubeWatchSource
 from phalanx.services.scheduler_signal.local import KvClusterSource
 from phalanx.services.scheduler_signal.sources import FileClusterSource, Ledger, Signal, Source
 
-from phalanx.bus import SCHED, Bus
-from phalanx.bus.subjects import CAPACITY, PREEMPT
+from phalanx.bus import Bus
+from phalanx.contract import CapacityChanged, HealthReply, PreemptionNotice
+from phalanx.contract.streams import SCHED
+from phalanx.contract.subjects import CAPACITY, PREEMPT
 from phalanx.metrics import SchedulerMetrics
-from phalanx.schemas import CapacityChanged, DecodeError, HealthReply, decode
 from phalanx.service import Service
-from phalanx.settings import get_settings
+from phalanx.settings import SchedulerSignalSettings, load
 
 _tracer = trace.get_tracer("phalanx.scheduler_signal")
-MSG_ID = "Nats-Msg-Id"
 
 
 class StreamHistory:
@@ -45,36 +44,20 @@ class StreamHistory:
         self.bus = bus
 
     async def last_capacity(self, cluster: str) -> CapacityChanged | None:
-        try:
-            raw = await self.bus.js.get_last_msg(SCHED.name, CAPACITY.format(cluster=cluster))
-        except NotFoundError:
-            return None
-        try:
-            msg = decode(raw.data or b"", raw.headers, CapacityChanged)
-        except DecodeError as err:
-            self.bus.log.warning("bad_capacity_in_stream", cluster=cluster, reason=err.reason)
-            return None
-        return msg
+        last = await self.bus.streams.last(SCHED, CAPACITY.format(cluster=cluster), CapacityChanged)
+        return last.msg if last is not None else None
 
     async def announced(self, cluster: str) -> set[str]:
-        subject = PREEMPT.format(cluster=cluster)
-        ids: set[str] = set()
-        seq = 1
-        while True:
-            try:
-                raw = await self.bus.js.get_msg(SCHED.name, seq=seq, subject=subject, next=True)
-            except NotFoundError:
-                return ids
-            if raw.headers and raw.headers.get(MSG_ID):
-                ids.add(raw.headers[MSG_ID])
-            seq = (raw.seq or seq) + 1
+        # Message gets, not a consumer: scheduler-signal may read its stream, not consume it.
+        stored = await self.bus.streams.walk(SCHED, PREEMPT.format(cluster=cluster), PreemptionNotice)
+        return {s.msg_id for s in stored if s.msg_id}
 
 
 def sources_from_env(bus: Bus) -> list[Source]:
     """The sources the environment asks for (possibly none)."""
     history = StreamHistory(bus)
     sources: list[Source] = []
-    settings = get_settings()
+    settings = load(SchedulerSignalSettings)
     if settings.local_cluster:
         sources.append(KvClusterSource(bus, Ledger(history, "local")))
     if settings.cluster_file is not None:
@@ -90,6 +73,7 @@ def sources_from_env(bus: Bus) -> list[Source]:
 class SchedulerSignal(Service):
     name = "scheduler-signal"
     metrics_type = SchedulerMetrics
+    settings_type = SchedulerSignalSettings
     metrics: SchedulerMetrics
 
     def __init__(self, bus: Bus, sources: list[Source] | None = None) -> None:

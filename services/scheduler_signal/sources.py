@@ -48,9 +48,9 @@ from typing import Protocol
 
 from pydantic import ValidationError
 
-from phalanx.bus.subjects import CAPACITY, PREEMPT, Subject
-from phalanx.cluster import ClusterNode, ClusterPreemption, ClusterState
-from phalanx.schemas import CapacityChanged, PreemptionNotice
+from phalanx.contract import CapacityChanged, PreemptionNotice
+from phalanx.contract.cluster import ClusterNode, ClusterPreemption, ClusterState
+from phalanx.contract.subjects import CAPACITY, PREEMPT, Subject
 from phalanx.telemetry import get_logger
 
 # The simulated cluster file is the local cluster's record (phalanx.cluster), under its old names.

@@ -7,9 +7,10 @@ from phalanx.services.state_replication.service import StateReplication
 
 from phalanx.checkpoint.peerauth import load_key
 from phalanx.service import run_service
-from phalanx.settings import SettingsError, settings_or_exit
+from phalanx.settings import SettingsError, load_or_exit
 
-settings = settings_or_exit(StateReplication.name)  # a bad PHALANX_* value: one line, exit status 2
+# a bad PHALANX_* value: one line, exit status 2
+settings = load_or_exit(StateReplication.settings_type, StateReplication.name)
 try:
     load_key(settings)  # no keeper key: refused now, in one line, not deep in the start
 except SettingsError as exc:

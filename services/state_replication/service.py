@@ -52,23 +52,23 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from phalanx.bus import COMMANDS, EVENTS, Bus
-from phalanx.bus.subjects import PLAN, RECOVERED
+from phalanx.bus import Bus
 from phalanx.checkpoint.keeper import Keeper, KeeperConfig
 from phalanx.checkpoint.peerauth import load_key
-from phalanx.checkpoint.retention import RetentionPolicy
 from phalanx.checkpoint.slots import node_name, shm_root
 from phalanx.checkpoint.tiers import RetryPolicy, Tier
+from phalanx.contract import Message, Plan, RecoveryDone
+from phalanx.contract.streams import COMMANDS, EVENTS
+from phalanx.contract.subjects import PLAN, RECOVERED
 from phalanx.metrics import ReplicationMetrics
-from phalanx.schemas import Message, Plan, RecoveryDone
 from phalanx.service import Service
-from phalanx.settings import get_settings, parse_job_uids
+from phalanx.settings import KeeperSettings, load
 
 
 def keeper_config(node: str) -> KeeperConfig:
     """The keeper's configuration from the settings (``PHALANX_CKPT_*``, ``PHALANX_KEEPER_*``);
     :class:`~phalanx.settings.SettingsError` without a keeper key."""
-    settings = get_settings()
+    settings = load(KeeperSettings)
     cfg = KeeperConfig(
         node=node,
         shm_root=shm_root(),
@@ -82,19 +82,19 @@ def keeper_config(node: str) -> KeeperConfig:
         key=load_key(settings),
         auth_timeout_s=settings.keeper_auth_timeout_s,
         io_timeout_s=settings.keeper_timeout_s,
-        min_rate=settings.keeper_min_rate,
+        min_rate=settings.keeper_min_rate_bytes_per_s,
         max_bytes=settings.ckpt_max_bytes,
         shm_reserve_bytes=settings.keeper_shm_reserve_bytes,
         max_connections=settings.keeper_max_connections,
         max_connections_per_peer=settings.keeper_max_connections_per_peer,
         max_fills=settings.keeper_max_fills,
-        job_uids=parse_job_uids(settings.ckpt_job_uids or ""),
+        job_uids=settings.ckpt_job_uids,
         retry=RetryPolicy(max_s=settings.ckpt_retry_max_s),
     )
     for tier in Tier:
         retention = getattr(settings, f"ckpt_keep_{tier.name.lower()}")
         if retention is not None:
-            cfg.retention[tier] = RetentionPolicy.parse(retention)  # validated by the settings
+            cfg.retention[tier] = retention
     return cfg
 
 
@@ -102,14 +102,19 @@ def keeper_config(node: str) -> KeeperConfig:
 class JobView:
     """What this keeper knows of one job."""
 
-    generation: int = 0
+    plan: Plan | None = None  # the newest (Plan.supersedes)
     members: dict[str, int] = field(default_factory=dict)  # worker -> rank
     recovered: set[str] = field(default_factory=set)  # workers done in ``generation``
+
+    @property
+    def generation(self) -> int:
+        return self.plan.generation if self.plan is not None else 0
 
 
 class StateReplication(Service):
     name = "state-replication"
     metrics_type = ReplicationMetrics
+    settings_type = KeeperSettings
     metrics: ReplicationMetrics
 
     def __init__(self, bus: Bus, node: str | None = None, keeper: KeeperConfig | None = None) -> None:
@@ -150,11 +155,11 @@ class StateReplication(Service):
         span = trace.get_current_span()
         span.set_attribute("phalanx.job", msg.job)
         span.set_attribute("phalanx.generation", msg.generation)
-        if msg.generation <= view.generation:
+        if not msg.supersedes(view.plan):
             self.stale += 1
             self.log.info("plan_stale", job=msg.job, generation=msg.generation, current=view.generation)
             return
-        view.generation = msg.generation
+        view.plan = msg
         view.members = {m.worker: m.rank for m in msg.members}
         view.recovered = set()
         self.log.info(

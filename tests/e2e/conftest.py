@@ -13,8 +13,8 @@ import torch
 
 from examples.train_gpt import SMALL
 from examples.train_gpt import command as train_command
-from phalanx.localstack import JobResult, LocalStack
-from phalanx.netns import NetnsCluster
+from phalanx.devstack.localstack import JobResult, LocalStack
+from phalanx.devstack.netns import NetnsCluster
 
 STEPS = 16
 SMALL_GPT = SMALL

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from examples.train_gpt import command as train_command
-from phalanx.localstack import SERVICE_MODULES, LocalStack
-from phalanx.natsauth import ENV_WORKER_CREDENTIALS, NatsAuth
-from phalanx.schemas import Action
+from phalanx.bus.credentials import ENV_WORKER_CREDENTIALS
+from phalanx.contract import Action
+from phalanx.devstack.localstack import SERVICE_MODULES, LocalStack
+from phalanx.natsauth import NatsAuth
 from tests.e2e.conftest import SMALL_GPT, STEPS, Reference
 from tests.e2e.test_recovery import actions
 

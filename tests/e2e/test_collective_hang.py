@@ -8,6 +8,14 @@ can see it. Its peers' all-reduces end at their learned per-op timeout (2 s here
 finds w1 left behind in COLLECTIVE past its own reported bound:
 ``collective_hang``. A hot spare takes rank 1 and the run ends bitwise equal to
 the fault-free one.
+
+The same holds for every collective of recovery itself and for the first
+all-reduce of a generation (:mod:`phalanx.runtime.bounds`): after w1 is killed in
+step 5, w2 hangs in generation 2's rendezvous, its state transfer or its first
+gradient all-reduce (``wedge:w2@rendezvous=2`` / ``transfer=2`` / ``collective=2``);
+its peers' bounds fire, the detector finds it left behind, and a second spare
+takes its rank. The time from the hang to the verdict and to the first step of
+generation 3 is printed (the issue's target: under 5 s), not asserted.
 """
 
 from __future__ import annotations
@@ -18,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from examples.train_gpt import command as train_command
-from phalanx.localstack import LocalStack
-from phalanx.schemas import Action, FaultCause, RankHung
+from phalanx.contract import Action, FaultCause, RankHung
+from phalanx.devstack.localstack import LocalStack
 from tests.e2e.conftest import SMALL_GPT, STEPS, Reference
 from tests.e2e.test_recovery import actions, assert_bitwise_equal, assert_recovered
 
@@ -63,4 +71,53 @@ def test_rank_hung_inside_the_all_reduce_is_replaced_within_seconds(
         f" (fault_at off by {hung.fault_at - wedge['ts']:+.3f} s, bound {hung.evidence['bound_ms']} ms,"
         f" in COLLECTIVE {hung.evidence['phase_ms']} ms, first peer left {hung.evidence['first_left_ms']} ms before)"
         f"\nwedge -> first step of generation 2 done {first_step_done - wedge['ts']:.2f} s"
+    )
+
+
+@pytest.mark.parametrize("place", ["collective", "rendezvous", "transfer"])
+def test_rank_hung_in_a_recovery_collective_is_replaced_within_seconds(
+    stack: LocalStack, corpus: Path, reference: Reference, tmp_path: Path, place: str
+) -> None:
+    import torch
+
+    save, fault_log = tmp_path / "weights.pt", tmp_path / "faults.jsonl"
+    result = stack.run_job(
+        f"e2e-hang-{place}",
+        train_command(STEPS, corpus, *SMALL_GPT, save=save),
+        nproc=3,
+        spares=2,
+        faults=f"kill:w1@step=5,wedge:w2@{place}=2",
+        global_batch=12,
+        timeout_s=180.0,
+        env={"PHALANX_FAULT_LOG": str(fault_log)},
+    )
+    assert [(f.cause, f.worker) for f in result.faults] == [
+        (FaultCause.PROCESS_EXIT, "w1"),
+        (FaultCause.COLLECTIVE_HANG, "w2"),
+    ], result.faults
+    hung = result.faults[1]
+    assert isinstance(hung, RankHung) and hung.generation == 2
+    assert hung.evidence["phase"] == "collective"
+    assert actions(result) == [Action.START, Action.REPLACE, Action.REPLACE]
+    second, last = (next(p for p in result.plans if p.generation == g) for g in (2, 3))
+    assert second.rank_of("w1") is None and second.world_size == 3, second
+    joiner = next(w for w in ("w3", "w4") if second.rank_of(w) is not None)
+    assert second.rank_of(joiner) == 1  # each spare takes the lost rank's index
+    assert last.generation == 3 and last.rank_of("w2") is None and last.rank_of(joiner) == 1, last
+    assert {last.rank_of("w3"), last.rank_of("w4")} == {1, 2}, last
+    assert_recovered(result, generation=3)
+    assert_bitwise_equal(torch.load(save) if save.exists() else None, reference(3))
+
+    # Timings, reported (not asserted: a 2-core box shared with other tests).
+    wedge = next(
+        e
+        for e in map(json.loads, fault_log.read_text().splitlines())
+        if (e["worker"], e["action"]) == ("w2", "wedge")
+    )
+    assert (wedge["point"], wedge["value"]) == (place, 2)
+    first_step_done = max(r.ts for r in result.recoveries if r.generation == 3)
+    print(
+        f"\n{place} hang -> verdict {hung.detected_at - wedge['ts']:.2f} s"
+        f" (bound {hung.evidence['bound_ms']} ms, in COLLECTIVE {hung.evidence['phase_ms']} ms)"
+        f"\n{place} hang -> first step of generation 3 done {first_step_done - wedge['ts']:.2f} s"
     )

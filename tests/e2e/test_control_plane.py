@@ -21,10 +21,11 @@ import nats.errors
 import pytest
 from phalanx.services.elasticity_planner.lease import leader_pid
 
-from phalanx.bus import JOBS_BUCKET, Bus
-from phalanx.bus.subjects import RECOVERED
-from phalanx.localstack import LocalStack
-from phalanx.schemas import Action, JobRecord, Plan, RecoveryDone, decode, headers_for
+from phalanx.bus import Bus
+from phalanx.contract import Action, JobRecord, Plan, RecoveryDone, decode, headers_for
+from phalanx.contract.streams import JOBS_BUCKET
+from phalanx.contract.subjects import RECOVERED
+from phalanx.devstack.localstack import LocalStack
 from tests.e2e.conftest import Reference, RunJob, runner, stack_env
 from tests.e2e.test_recovery import actions, assert_bitwise_equal, assert_recovered, story
 
@@ -63,7 +64,7 @@ def _leader(stack: LocalStack) -> str:
     async def find() -> int | None:
         bus = await Bus.connect(stack.url, name="test-leader")
         try:
-            return await leader_pid(await bus.js.key_value(JOBS_BUCKET))
+            return await leader_pid(await bus.kv.bucket(JOBS_BUCKET))
         finally:
             await bus.close()
 

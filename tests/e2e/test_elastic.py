@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from examples.train_gpt import command as train_command
-from phalanx.localstack import JobResult, LocalStack
-from phalanx.netns import NetnsCluster
-from phalanx.schemas import Action
+from phalanx.contract import Action
+from phalanx.devstack.localstack import JobResult, LocalStack
+from phalanx.devstack.netns import NetnsCluster
 from tests.e2e.conftest import SMALL_GPT, netns_cluster, stack_env
 
 pytestmark = pytest.mark.slow

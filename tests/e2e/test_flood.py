@@ -29,11 +29,13 @@ import nats
 import pytest
 
 from examples.train_gpt import command as train_command
-from phalanx.bus._connection import inbox_prefix
-from phalanx.bus.topology import STREAMS, account_max_file, stream_limits
-from phalanx.localstack import LocalStack
-from phalanx.natsauth import ENV_WORKER_CREDENTIALS, NatsAuth
-from phalanx.schemas import Action
+from phalanx.bus.credentials import ENV_WORKER_CREDENTIALS
+from phalanx.bus.topology import account_max_file, stream_limits
+from phalanx.contract import Action
+from phalanx.contract.permissions import inbox_prefix
+from phalanx.contract.streams import STREAMS
+from phalanx.devstack.localstack import LocalStack
+from phalanx.natsauth import NatsAuth
 from tests.e2e.conftest import SMALL_GPT, STEPS, stack_env
 from tests.e2e.test_recovery import actions
 

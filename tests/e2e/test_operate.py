@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from examples.train_gpt import SMALL
-from phalanx.natsserver import free_port
+from phalanx.devstack.natsserver import free_port
 from tests.procs import alive, descendants
 
 pytestmark = pytest.mark.slow

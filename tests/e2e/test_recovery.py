@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from phalanx.localstack import JobResult, LocalStack
-from phalanx.schemas import Action, FaultCause, RankHung
+from phalanx.contract import Action, FaultCause, RankHung
+from phalanx.devstack.localstack import JobResult, LocalStack
 from tests.e2e.conftest import STEPS, Reference, RunJob
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.bus import Bus
-from phalanx.localstack import LocalStack
+from phalanx.devstack.localstack import LocalStack
 from phalanx.report import RunReport, load_run, render
 from phalanx.tracesummary import Incident, incidents, load_spans
 from tests.e2e.conftest import STEPS, RunJob
@@ -24,7 +24,7 @@ async def _load(stack: LocalStack, job: str) -> tuple[RunReport, list[Incident]]
     spans = load_spans(spans_file=str(stack.span_file), jaeger_url=None, trace_id=None)
     bus = await Bus.connect(stack.url, name=f"report-{job}")
     try:
-        run = await load_run(bus.js, job, spans=spans)
+        run = await load_run(bus, job, spans=spans)
     finally:
         await bus.close()
     traced = [i for i in incidents(spans) if str(i.attributes.get("phalanx.incident", "")).startswith(job)]

@@ -19,13 +19,13 @@ from nats.aio.msg import Msg
 
 from examples.train_gpt import command as train_command
 from phalanx.bus import Bus
-from phalanx.bus.subjects import CHECKPOINT
 from phalanx.checkpoint import Checkpointer
 from phalanx.checkpoint.catalog import Catalog
 from phalanx.checkpoint.tiers import ObjectTier
-from phalanx.localstack import LocalStack, last_logged_step
-from phalanx.s3server import S3Server
-from phalanx.schemas import CheckpointEvent, decode
+from phalanx.contract import CheckpointEvent, decode
+from phalanx.contract.subjects import CHECKPOINT
+from phalanx.devstack.localstack import LocalStack, last_logged_step
+from phalanx.devstack.s3server import S3Server
 from tests.e2e.conftest import SMALL_GPT, netns_cluster, stack_env
 
 pytestmark = pytest.mark.slow

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from bench.baseline.torchrun import plain_ddp_args, run_torchrun
-from phalanx.localstack import JobResult, LocalStack
-from phalanx.schemas import Action, FaultCause, RankHung
+from phalanx.contract import Action, FaultCause, RankHung
+from phalanx.devstack.localstack import JobResult, LocalStack
 from tests.e2e.test_recovery import actions, assert_bitwise_equal, assert_recovered
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from phalanx.bus import Bus
-from phalanx.bus.subjects import DECISION, PLAN
+from phalanx.contract.subjects import DECISION, PLAN
 from tests.integration.planning import JOB, Watcher
 
 

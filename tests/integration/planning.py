@@ -13,8 +13,7 @@ from nats.aio.msg import Msg
 from phalanx.services.elasticity_planner.service import ElasticityPlanner
 
 from phalanx.bus import Bus
-from phalanx.bus.subjects import JOB_SPEC, JOINED, REGISTERED
-from phalanx.schemas import (
+from phalanx.contract import (
     FaultCause,
     JobSpec,
     NodeJoined,
@@ -25,16 +24,18 @@ from phalanx.schemas import (
     Role,
     decode,
 )
+from phalanx.contract.subjects import JOB_SPEC, JOINED, REGISTERED
 from phalanx.service import run_service
 
 JOB = "pj"
 
 
 @contextlib.asynccontextmanager
-async def planner(url: str) -> AsyncIterator[None]:
-    """The elasticity-planner service, run as ``phalanx service`` runs it, until the block ends."""
+async def planner(url: str, **kwargs: object) -> AsyncIterator[None]:
+    """The elasticity-planner service, run as ``phalanx service`` runs it, until the block
+    ends; ``kwargs`` go to its constructor (``failure=``, ``scaling=``: the policies)."""
     stop = asyncio.Event()
-    task = asyncio.create_task(run_service(ElasticityPlanner, url=url, stop=stop))
+    task = asyncio.create_task(run_service(ElasticityPlanner, url=url, stop=stop, **kwargs))
     try:
         yield
     finally:

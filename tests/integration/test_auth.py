@@ -32,8 +32,8 @@ from nats.aio.msg import Msg
 from phalanx.services.elasticity_planner.service import ElasticityPlanner
 from structlog.testing import capture_logs
 
-from phalanx.bus import COMMANDS, EVENTS, JOBS_BUCKET, Bus
-from phalanx.bus._connection import (
+from phalanx.bus import Bus
+from phalanx.bus.auth import (
     ENV_NATS_PASSWORD,
     ENV_NATS_TLS_CA,
     ENV_NATS_TLS_CERT,
@@ -42,12 +42,8 @@ from phalanx.bus._connection import (
     PermissionDenied,
 )
 from phalanx.bus.keywatch import KeyWatch
-from phalanx.bus.subjects import COMM_ERROR, HEARTBEAT, JOB_SPEC, JOINED, PLAN, REGISTERED
-from phalanx.bus.topology import BUCKET_HISTORY, bucket_limits, ensure_bucket, ensure_topology
-from phalanx.natsauth import KV_STREAM, NatsAuth
-from phalanx.natsserver import NatsServer
-from phalanx.runtime.follow import PlanFollower
-from phalanx.schemas import (
+from phalanx.bus.topology import bucket_limits, ensure_bucket, ensure_topology
+from phalanx.contract import (
     CollectiveError,
     Heartbeat,
     JobRecord,
@@ -63,7 +59,13 @@ from phalanx.schemas import (
     encode,
     headers_for,
 )
+from phalanx.contract.permissions import KV_STREAM
+from phalanx.contract.streams import BUCKET_HISTORY, COMMANDS, EVENTS, JOBS_BUCKET
+from phalanx.contract.subjects import COMM_ERROR, HEARTBEAT, JOB_SPEC, JOINED, PLAN, REGISTERED
+from phalanx.devstack.natsserver import NatsServer
+from phalanx.natsauth import NatsAuth
 from phalanx.service import Service, ping
+from phalanx.worker.follow import PlanFollower
 
 JOB = "authjob"
 OTHER = "otherjob"  # another job on the same server
@@ -187,7 +189,8 @@ async def test_a_rank_cannot_publish_a_plan(srv: AuthServer) -> None:
     with capture_logs() as logs:
         with pytest.raises(PermissionDenied, match=PLAN.format(job=JOB)):
             await rank.publish(PLAN, forged, job=JOB, msg_id="forged")
-        await rank.publish_raw(PLAN.format(job=JOB), *encode(forged))  # core: refused just the same
+        payload, headers = encode(forged)
+        await rank.nc.publish(PLAN.format(job=JOB), payload, headers=headers)  # core: refused just the same
         await rank.nc.flush()
         await wait_for(lambda: len(refusals(logs, PLAN.format(job=JOB))) >= 2, "both refusals logged")
     line = refusals(logs, PLAN.format(job=JOB))[0]

@@ -21,12 +21,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from phalanx.bus import ERRORS, EVENTS, Bus, ensure_topology
-from phalanx.bus.subjects import ERROR, FAILED, HEARTBEAT, HUNG
-from phalanx.bus.topology import kv_latest
-from phalanx.natsserver import NatsCluster, NatsServer
-from phalanx.schemas import ErrorEvent, FaultCause, Heartbeat, Message, Phase, RankFailed, RankHung, encode
-from phalanx.schemas.codec import HDR_ENCODING, HDR_KIND, HDR_SCHEMA
+from phalanx.bus import Bus, ensure_topology
+from phalanx.contract import ErrorEvent, FaultCause, Heartbeat, Message, Phase, RankFailed, RankHung, encode
+from phalanx.contract.codec import HDR_ENCODING, HDR_KIND, HDR_SCHEMA
+from phalanx.contract.streams import ERRORS, EVENTS
+from phalanx.contract.subjects import ERROR, FAILED, HEARTBEAT, HUNG
+from phalanx.devstack.natsserver import NatsCluster, NatsServer
 from phalanx.telemetry import setup_tracing
 
 WAIT_S = 30.0
@@ -281,8 +281,8 @@ async def test_bad_core_input_reports_an_error(nats_url: str, bus: Bus) -> None:
     rec = Recorder()
     await bus.subscribe(HEARTBEAT.wildcard(job="j1"), rec, Heartbeat)
     observer, errors = await _error_events(nats_url, "test")
-    await bus.publish_raw("phalanx.hb.j1.w0", b"\x92\x01\x02", _headers("heartbeat"))  # [1, 2]
-    await bus.publish_raw("phalanx.hb.j1.w0", encode(heartbeat(1))[0], _headers("heartbeat", version="0"))
+    await bus.nc.publish("phalanx.hb.j1.w0", b"\x92\x01\x02", headers=_headers("heartbeat"))  # [1, 2]
+    await bus.nc.publish("phalanx.hb.j1.w0", encode(heartbeat(1))[0], headers=_headers("heartbeat", version="0"))
     await bus.publish(HEARTBEAT, heartbeat(2), traced=False, job="j1", worker="w0")
     await wait_for(lambda: len(errors.got) >= 2, "two ErrorEvents")
     await wait_for(lambda: len(rec.got) >= 1, "the good heartbeat")
@@ -370,21 +370,22 @@ async def _until(fn: Callable[[], Awaitable[Any]], what: str, timeout: float = 6
 @pytest.mark.slow
 async def test_kv_latest_reads_every_current_key_and_leaves_deleted_ones_out(bus: Bus) -> None:
     kv = await bus.js.create_key_value(bucket="latest", history=4)
-    assert await kv_latest(bus.js, "latest") == {}  # an empty bucket
+    latest = (await bus.kv.bucket("latest")).latest
+    assert await latest() == {}  # an empty bucket
     for i in range(5):
         await kv.put(f"j{i}.plan", f"v{i}".encode())
     await kv.put("j0.plan", b"v0b")  # only the newest revision counts
     await kv.put("other.lease", b"x")
     await kv.delete("j4.plan")  # the last message of the stream is a delete marker
-    assert await kv_latest(bus.js, "latest", "*.plan") == {
+    assert await latest("*.plan") == {
         "j0.plan": b"v0b",
         "j1.plan": b"v1",
         "j2.plan": b"v2",
         "j3.plan": b"v3",
     }
-    assert await kv_latest(bus.js, "latest", "nothing.>") == {}  # no key matches
+    assert await latest("nothing.>") == {}  # no key matches
     await kv.purge("j1.plan")
-    assert set(await kv_latest(bus.js, "latest")) == {"j0.plan", "j2.plan", "j3.plan", "other.lease"}
+    assert set(await latest()) == {"j0.plan", "j2.plan", "j3.plan", "other.lease"}
 
 
 async def test_kv_latest_never_returns_part_of_the_bucket(bus: Bus) -> None:
@@ -393,7 +394,8 @@ async def test_kv_latest_never_returns_part_of_the_bucket(bus: Bus) -> None:
     kv = await bus.js.create_key_value(bucket="race", history=4)
     for i in range(5):
         await kv.put(f"k{i}", b"x")
-    sizes = [len(await kv_latest(bus.js, "race")) for _ in range(1000)]
+    bucket = await bus.kv.bucket("race")
+    sizes = [len(await bucket.latest()) for _ in range(1000)]
     assert set(sizes) == {5}
 
 

@@ -21,13 +21,13 @@ import torch
 from nats.aio.msg import Msg
 
 from phalanx.bus import Bus
-from phalanx.bus.subjects import CHECKPOINT
 from phalanx.checkpoint import Checkpointer, ManifestError, NoCheckpoint, RetentionPolicy, Tier
 from phalanx.checkpoint.catalog import Catalog
 from phalanx.checkpoint.keeper import Keeper, KeeperConfig
 from phalanx.checkpoint.tiers import ObjectTier, step_key
-from phalanx.s3server import S3Server
-from phalanx.schemas import CheckpointEvent, decode
+from phalanx.contract import CheckpointEvent, decode
+from phalanx.contract.subjects import CHECKPOINT
+from phalanx.devstack.s3server import S3Server
 
 JOB = "ckj"
 KEY = secrets.token_bytes(32)  # the cluster's keeper key (phalanx.checkpoint.peerauth)

@@ -27,13 +27,13 @@ from nats.aio.msg import Msg
 from structlog.testing import capture_logs
 
 from phalanx.bus import Bus
-from phalanx.bus.subjects import CHECKPOINT
 from phalanx.checkpoint import Checkpointer, RetentionPolicy, Tier, wire
 from phalanx.checkpoint.catalog import Catalog
 from phalanx.checkpoint.tiers import RetryPolicy, step_key
-from phalanx.natsserver import NatsServer
-from phalanx.s3server import S3Server
-from phalanx.schemas import ErrorEvent, decode
+from phalanx.contract import ErrorEvent, decode
+from phalanx.contract.subjects import CHECKPOINT
+from phalanx.devstack.natsserver import NatsServer
+from phalanx.devstack.s3server import S3Server
 from tests.integration.test_checkpoint import JOB, Cluster, assert_state_equal, in_thread, state_at
 
 FAST = RetryPolicy(first_s=0.2, factor=2.0, max_s=1.0)

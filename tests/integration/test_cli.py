@@ -14,10 +14,11 @@ from pathlib import Path
 import nats
 from nats.aio.msg import Msg
 
-from phalanx.bus import JOBS_BUCKET, Bus
-from phalanx.bus.subjects import JOB_SPEC, JOINED
-from phalanx.natsserver import free_port
-from phalanx.schemas import JobSpec, NodeJoined, decode
+from phalanx.bus import Bus
+from phalanx.contract import JobSpec, NodeJoined, decode
+from phalanx.contract.streams import JOBS_BUCKET
+from phalanx.contract.subjects import JOB_SPEC, JOINED
+from phalanx.devstack.natsserver import free_port
 from phalanx.service import ping
 
 

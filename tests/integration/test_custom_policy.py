@@ -24,11 +24,7 @@ from structlog.testing import capture_logs
 
 from examples.policy_step_time import StepTimePolicy, follow
 from phalanx.bus import Bus
-from phalanx.bus.subjects import CAPACITY, DECISION, NODE_DIGEST, PLAN, PREEMPT, PROPOSAL
-from phalanx.natsauth import NatsAuth
-from phalanx.natsserver import NatsServer
-from phalanx.policy import Event, PolicyClient, ProposalTimeout, StepSample
-from phalanx.schemas import (
+from phalanx.contract import (
     Action,
     BatchPlan,
     CapacityChanged,
@@ -42,6 +38,10 @@ from phalanx.schemas import (
     Proposal,
     decode,
 )
+from phalanx.contract.subjects import CAPACITY, DECISION, NODE_DIGEST, PLAN, PREEMPT, PROPOSAL
+from phalanx.devstack.natsserver import NatsServer
+from phalanx.natsauth import NatsAuth
+from phalanx.policy import Event, PolicyClient, ProposalTimeout, StepSample
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = "polj"
@@ -206,7 +206,7 @@ async def test_watch_follows_plans_steps_decisions_and_signals(bus: Bus, client:
             ["s0"],
         )
         # subscribed now (the stored plan is read after subscribing)
-        await bus.publish_raw(PLAN.format(job=JOB), b"junk", {"Phalanx-Kind": "plan"})  # refused, dropped
+        await bus.nc.publish(PLAN.format(job=JOB), b"junk", headers={"Phalanx-Kind": "plan"})  # refused, dropped
         await publish_digest(bus, digest(1, 5, 100.0, 1))
         await publish_digest(bus, digest(1, 5, 100.0, 2))
         notice = PreemptionNotice(cluster="c1", job="other", workers=["x"], deadline_s=5, source="t")

@@ -30,11 +30,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from phalanx.services.failure_detector import DetectorConfig, FailureDetector, ServiceConfig
 
 from phalanx.bus import Bus
-from phalanx.bus.subjects import EXITED, HEARTBEAT, PLAN
-from phalanx.natsserver import NatsServer
-from phalanx.runtime.heartbeat import HeartbeatPublisher
-from phalanx.runtime.status import RankStatus
-from phalanx.schemas import (
+from phalanx.contract import (
     ErrorEvent,
     FaultCause,
     Heartbeat,
@@ -48,8 +44,12 @@ from phalanx.schemas import (
     decode,
     encode,
 )
+from phalanx.contract.subjects import EXITED, HEARTBEAT, PLAN
+from phalanx.devstack.natsserver import NatsServer
 from phalanx.service import ping
 from phalanx.telemetry import extract_context, setup_tracing
+from phalanx.worker.heartbeat import HeartbeatPublisher
+from phalanx.worker.status import RankStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "workers" / "heartbeat_worker.py"
@@ -426,7 +426,7 @@ async def test_bad_input_makes_error_events_and_changes_nothing(
         ("phalanx.hb.j1.w0", payload, {}),  # no kind at all
     ]
     for subject, data, hdrs in bad:
-        await bus.publish_raw(subject, data, hdrs)
+        await bus.nc.publish(subject, data, headers=hdrs)
     # JetStream inputs: a plan on the exit subject, a malformed exit
     await bus.js.publish("phalanx.evt.j1.exited.local", plan_payload, headers=plan_headers)
     await bus.js.publish("phalanx.evt.j1.exited.local", b"\x93\x01", headers=exit_headers)
@@ -454,7 +454,7 @@ async def test_nats_restart_detects_new_exit_once_and_repeats_nothing(nats_serve
             ranks["w0"].silence()
             first = exited("w0", 7000)
             await publish_exit(bus, first, "x0")
-            await wait_until(lambda: svc.reported == 1, what="first verdict")
+            await wait_until(lambda: svc.verdicts.reported == 1, what="first verdict")
 
             nats_server.stop()
             await wait_until(lambda: not svc.bus.nc.is_connected, what="disconnect")
@@ -469,7 +469,7 @@ async def test_nats_restart_detects_new_exit_once_and_repeats_nothing(nats_serve
             # barrier: w2 is silenced last; ranks that heartbeated across the restart
             # (w1, w2, w3) were not blamed for the outage
             ranks["w2"].silence()
-            await wait_until(lambda: svc.reported == 3, what="three verdicts")
+            await wait_until(lambda: svc.verdicts.reported == 3, what="three verdicts")
             failed = await stored(bus, "phalanx.evt.j1.failed")
             hung = await stored(bus, "phalanx.evt.j1.hung")
             assert sorted(m.incident for m in failed) == ["j1:w0:7000", "j1:w4:7004"]  # type: ignore[attr-defined]
@@ -486,14 +486,14 @@ async def test_detector_restart_repeats_no_verdict(nats_url: str, bus: Bus, even
     stalled = SimRank(bus, "w0", rank=0, pid=9000, phase=Phase.COMPUTE)  # no step ever: initial bound
     async with running_detector(nats_url) as first:
         await publish_exit(bus, exited("w1", 9001), "exit-w1")
-        await wait_until(lambda: first.reported == 2, what="first detector's verdicts")
+        await wait_until(lambda: first.verdicts.reported == 2, what="first detector's verdicts")
     async with running_detector(nats_url) as second:
-        await wait_until(lambda: second.reported == 1, what="the stall judged again")
+        await wait_until(lambda: second.verdicts.reported == 1, what="the stall judged again")
         await publish_exit(bus, exited("w2", 9002), "exit-w2")
         await events.one("w2")  # barrier: the exit consumer is ordered, w2's exit came last
         # (the event can arrive here before the detector has counted its publish ack)
-        await wait_until(lambda: second.reported >= 2, what="w2's verdict counted")
-        assert second.reported == 2  # the stall and w2: w1's exit was not redelivered
+        await wait_until(lambda: second.verdicts.reported >= 2, what="w2's verdict counted")
+        assert second.verdicts.reported == 2  # the stall and w2: w1's exit was not redelivered
     hung = await stored(bus, "phalanx.evt.j1.hung")
     failed = await stored(bus, "phalanx.evt.j1.failed")
     assert [m.incident for m in hung] == ["j1:w0:9000"]  # type: ignore[attr-defined]
@@ -631,8 +631,8 @@ async def test_detector_process_answers_ping_reports_in_a_trace_and_stops_on_sig
 # -- inputs checked ----------------------------------------------------------------------
 async def register(bus: Bus, worker: str, pid: int, job: str = "j1") -> None:
     """What a rank's agent publishes once it is up: the pid it runs as."""
-    from phalanx.bus.subjects import REGISTERED
-    from phalanx.schemas import Registered, Role
+    from phalanx.contract import Registered, Role
+    from phalanx.contract.subjects import REGISTERED
 
     reg = Registered(job=job, worker=worker, role=Role.RANK, host="sim", pid=pid)
     await bus.publish(REGISTERED, reg, job=job, msg_id=f"{job}:{worker}:{pid}:registered")
@@ -700,7 +700,7 @@ async def test_a_flood_of_malformed_heartbeats_is_rate_limited_and_blinds_nothin
 
     async def send() -> None:
         for k in range(flood):  # malformed msgpack, on every rank's subject
-            await bus.publish_raw(f"phalanx.hb.j1.w{k % 3}", b"\xc1\xff" + k.to_bytes(4, "big"), headers)
+            await bus.nc.publish(f"phalanx.hb.j1.w{k % 3}", b"\xc1\xff" + k.to_bytes(4, "big"), headers)
             if k % 250 == 0:
                 await asyncio.sleep(0)  # the ranks' heartbeats go out in between
         await bus.nc.flush()
@@ -746,7 +746,7 @@ async def test_two_replicas_store_one_verdict_per_incident_and_both_decide_it(
 ) -> None:
     from dataclasses import replace
 
-    from phalanx.bus import COMMANDS, EVENTS
+    from phalanx.contract.streams import COMMANDS, EVENTS
 
     async with (
         running_detector(nats_url, replace(FAST, replica="a")) as a,
@@ -756,9 +756,15 @@ async def test_two_replicas_store_one_verdict_per_incident_and_both_decide_it(
         await wait_until(lambda: tracked(a) == tracked(b) == set(ranks), what="ranks tracked by both")
         ranks["w0"].silence()  # a crash: the launcher reports the exit once
         await publish_exit(bus, exited("w0", 6300), "exit-w0")
-        await wait_until(lambda: a.reported == 1 and b.reported == 1, what="both replicas judged the exit")
+        await wait_until(
+            lambda: a.verdicts.reported == 1 and b.verdicts.reported == 1,
+            what="both replicas judged the exit",
+        )
         ranks["w1"].silence()  # a silent rank
-        await wait_until(lambda: a.reported == 2 and b.reported == 2, what="both replicas judged the silence")
+        await wait_until(
+            lambda: a.verdicts.reported == 2 and b.verdicts.reported == 2,
+            what="both replicas judged the silence",
+        )
         for d in (a, b):
             assert d.detector.is_closed("j1", "w0", 6300) and d.detector.is_closed("j1", "w1", 6301)
             assert tracked(d) == {"w2"} and d.health_details()["replica"] == d.config.replica

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
-from phalanx.bus import JOBS_BUCKET, Bus
-from phalanx.natsserver import NatsServer
-from phalanx.runtime.agent import Agent
-from phalanx.runtime.follow import PlanFollower, record_key
-from phalanx.runtime.status import RankStatus
-from phalanx.schemas import JobRecord, Member, Plan, Role, encode
+from phalanx.bus import Bus
+from phalanx.contract import JobRecord, Member, Plan, Role, encode
+from phalanx.contract.streams import JOBS_BUCKET
+from phalanx.devstack.natsserver import NatsServer
+from phalanx.worker.agent import Agent
+from phalanx.worker.follow import PlanFollower, record_key
+from phalanx.worker.status import RankStatus
 
 JOB = "fj"
 

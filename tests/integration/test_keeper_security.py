@@ -26,13 +26,13 @@ from nats.aio.msg import Msg
 from structlog.testing import capture_logs
 
 from phalanx.bus import Bus
-from phalanx.bus.subjects import CHECKPOINT
 from phalanx.checkpoint.catalog import Catalog
 from phalanx.checkpoint.keeper import Keeper
 from phalanx.checkpoint.manifest import Manifest, ManifestError
+from phalanx.checkpoint.packing import Packing
 from phalanx.checkpoint.tiers import step_key
-from phalanx.runtime.state import Packing
-from phalanx.schemas import CheckpointEvent, decode
+from phalanx.contract import CheckpointEvent, decode
+from phalanx.contract.subjects import CHECKPOINT
 from tests.integration.test_checkpoint import JOB, Cluster, assert_state_equal, in_thread, state_at
 
 
@@ -317,7 +317,7 @@ async def test_an_authenticated_peer_that_stalls_mid_transfer_is_dropped(cluster
     replicas = cluster.shm / "n2" / "replicas" / JOB
     assert [p.name for p in replicas.iterdir()] == [step_key(7)]  # no partial copy left
     assert n2.memory[(JOB, 7)].manifest.encode() == before and n2.memory[(JOB, 7)].intact()
-    assert n2._fills._value == n2.cfg.max_fills and not n2._conns  # nothing held
+    assert n2.shm._fills._value == n2.cfg.max_fills and not n2.peers._conns  # nothing held
 
 
 async def test_a_declared_huge_size_is_refused_before_anything_is_allocated(

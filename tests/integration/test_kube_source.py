@@ -26,9 +26,10 @@ from phalanx.services.scheduler_signal.service import SchedulerSignal, StreamHis
 from phalanx.services.scheduler_signal.sources import Ledger
 
 from k8s_api import FakeKubeApi, load_events, load_list
-from phalanx.bus import SCHED, Bus
-from phalanx.bus.subjects import CAPACITY, PREEMPT
-from phalanx.schemas import CapacityChanged, Message, PreemptionNotice
+from phalanx.bus import Bus
+from phalanx.contract import CapacityChanged, Message, PreemptionNotice
+from phalanx.contract.streams import SCHED
+from phalanx.contract.subjects import CAPACITY, PREEMPT
 
 DATA = Path(__file__).parent.parent / "unit" / "k8s"
 CLUSTER = "prod"

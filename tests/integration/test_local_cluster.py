@@ -22,10 +22,11 @@ from phalanx.services.scheduler_signal.local import KvClusterSource
 from phalanx.services.scheduler_signal.service import SchedulerSignal
 
 from phalanx import cluster
-from phalanx.bus import SCHED, Bus
+from phalanx.bus import Bus
+from phalanx.contract import CapacityChanged, Message, PreemptionNotice, decode
+from phalanx.contract.streams import SCHED
+from phalanx.devstack.natsserver import NatsServer, free_port
 from phalanx.natsauth import NatsAuth
-from phalanx.natsserver import NatsServer, free_port
-from phalanx.schemas import CapacityChanged, Message, PreemptionNotice, decode
 
 WAIT_S = 10.0
 

@@ -25,10 +25,10 @@ from phalanx.services.elasticity_planner.recoveries import Fault, RecoveryBook
 from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx.bus import Bus
-from phalanx.localstack import LocalStack
+from phalanx.contract import RecoveryDone
+from phalanx.devstack.localstack import LocalStack
+from phalanx.launcher.launcher import LaunchConfig, Launcher
 from phalanx.metrics import PlannerMetrics, metric_names
-from phalanx.runtime.launcher import LaunchConfig, Launcher
-from phalanx.schemas import RecoveryDone
 from phalanx.service import ping
 from phalanx.telemetry import get_logger
 

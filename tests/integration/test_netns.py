@@ -1,4 +1,4 @@
-"""phalanx.netns: several network-namespace "nodes" on this machine.
+"""phalanx.devstack.netns: several network-namespace "nodes" on this machine.
 
 Skipped, with the reason, where namespaces cannot be made (not root, no iproute2).
 Waits are deadlines for something to happen, never assertions about how long it took.
@@ -17,8 +17,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from phalanx.natsserver import NatsServer
-from phalanx.netns import STATE_DIR, NetnsCluster
+from phalanx.devstack.natsserver import NatsServer
+from phalanx.devstack.netns import STATE_DIR, NetnsCluster
 
 OK, WHY = NetnsCluster.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
@@ -157,7 +157,7 @@ def test_start_sweeps_what_a_dead_run_left() -> None:
         [
             sys.executable,
             "-c",
-            "import os; from phalanx.netns import NetnsCluster\n"
+            "import os; from phalanx.devstack.netns import NetnsCluster\n"
             "cl = NetnsCluster(['x'], prefix='phxs').start(); print(cl.run, flush=True); os._exit(0)",
         ],
         capture_output=True,

@@ -23,9 +23,7 @@ from nats.aio.msg import Msg
 from phalanx.services.failure_detector import DetectorConfig, FailureDetector, ServiceConfig
 
 from phalanx.bus import Bus
-from phalanx.bus.subjects import NODE_DIGEST
-from phalanx.runtime.digest import NodeDigestPublisher
-from phalanx.schemas import (
+from phalanx.contract import (
     DigestEntry,
     ErrorEvent,
     FaultCause,
@@ -37,6 +35,8 @@ from phalanx.schemas import (
     RankHung,
     decode,
 )
+from phalanx.contract.subjects import NODE_DIGEST
+from phalanx.worker.digest import NodeDigestPublisher
 from tests.integration.test_detector_service import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

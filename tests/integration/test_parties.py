@@ -1,4 +1,4 @@
-"""``phalanx.proto.PARTIES`` is what the code does, not what someone wrote down.
+"""``phalanx.contract.proto.PARTIES`` is what the code does, not what someone wrote down.
 
 Each party is started for real against a real nats-server, one at a time: the four
 services (as ``run_service`` runs them, minus its process-wide logging and
@@ -40,16 +40,17 @@ from phalanx.services.scheduler_signal.service import SchedulerSignal
 from phalanx.services.scheduler_signal.sources import Signal
 from phalanx.services.state_replication.service import StateReplication
 
-from phalanx.bus import JOBS_BUCKET, Bus
-from phalanx.bus.subjects import CATALOGUE, ERROR, HEALTH, PLAN, Subject
-from phalanx.natsauth import KV_STREAM, ROLE_OF_PARTY, ROLES
-from phalanx.proto import PARTIES, subject_matches
-from phalanx.runtime.agent import Agent
-from phalanx.runtime.heartbeat import SOCKET_ENV
-from phalanx.runtime.launcher import LaunchConfig, Launcher, LaunchError
-from phalanx.runtime.status import RankStatus
-from phalanx.schemas import CapacityChanged, Member, Plan, PreemptionNotice, Role
+from phalanx.bus import Bus
+from phalanx.contract import CapacityChanged, Member, Plan, PreemptionNotice, Role
+from phalanx.contract.permissions import KV_STREAM, ROLE_OF_PARTY, ROLES
+from phalanx.contract.proto import PARTIES, subject_matches
+from phalanx.contract.streams import JOBS_BUCKET
+from phalanx.contract.subjects import CATALOGUE, ERROR, HEALTH, PLAN, Subject
+from phalanx.launcher.launcher import LaunchConfig, Launcher, LaunchError
 from phalanx.service import Service
+from phalanx.worker.agent import Agent
+from phalanx.worker.heartbeat import SOCKET_ENV
+from phalanx.worker.status import RankStatus
 
 JOB = "contract"
 WORKER = "w0"

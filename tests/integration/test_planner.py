@@ -5,28 +5,24 @@ handling of redelivered faults, and refusal of faults it cannot place."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import pytest
 from nats.aio.msg import Msg
+from phalanx.services.elasticity_planner.decisions import Decision, Fault
+from phalanx.services.elasticity_planner.failure_policy import ReplaceOrShrink
 from phalanx.services.elasticity_planner.service import ElasticityPlanner
 from structlog.testing import capture_logs
 
-from phalanx.bus import JOBS_BUCKET, Bus
-from phalanx.bus.subjects import (
-    COMM_ERROR,
-    ERROR,
-    EXITED,
-    FAILED,
-    HUNG,
-    NODE_LOST,
-    REGISTERED,
-)
-from phalanx.schemas import (
+from phalanx.bus import Bus
+from phalanx.contract import (
     Action,
     CollectiveError,
     ErrorEvent,
     FaultCause,
     JobRecord,
+    JobState,
+    Member,
     NodeLost,
     RankExited,
     RankFailed,
@@ -35,6 +31,16 @@ from phalanx.schemas import (
     Role,
     decode,
     headers_for,
+)
+from phalanx.contract.streams import JOBS_BUCKET
+from phalanx.contract.subjects import (
+    COMM_ERROR,
+    ERROR,
+    EXITED,
+    FAILED,
+    HUNG,
+    NODE_LOST,
+    REGISTERED,
 )
 from tests.integration.planning import JOB, Watcher, failed, join, planner, start_job
 
@@ -419,3 +425,35 @@ async def test_every_generation_meets_under_its_own_secret_which_is_never_logged
     leaked = [line for line in logs for s in secrets if s in repr(line)]
     assert not leaked, leaked
     assert not any(s in repr(p) or s in str(p) for p in watcher.plans for s in secrets)  # repr=False
+
+
+@dataclass(frozen=True)
+class _NeverReplace(ReplaceOrShrink):
+    """A user's failure policy: a lost rank is never replaced, the job shrinks instead."""
+
+    def on_fault(self, state: JobState, fault: Fault) -> Decision:
+        d = super().on_fault(state, fault)
+        if d.action is not Action.REPLACE or state.plan is None:
+            return d
+        left = [
+            m.worker for m in sorted(state.plan.members, key=lambda m: m.rank) if m.worker != fault.worker
+        ]
+        members = [Member(rank=i, worker=w) for i, w in enumerate(left)]
+        return Decision(
+            Action.SHRINK, f"{fault.worker} lost: my policy shrinks", members, removed=[fault.worker]
+        )
+
+
+async def test_a_custom_failure_policy_decides_instead_of_the_default(
+    nats_url: str, bus: Bus, watcher: Watcher
+) -> None:
+    async with planner(nats_url, failure=_NeverReplace()):
+        await start_job(bus)
+        await watcher.wait_for(lambda: len(watcher.plans) == 1)
+        event = failed("w1", 1)
+        await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
+        await watcher.wait_for(lambda: any(p.generation == 2 for p in watcher.plans))
+    gen2 = next(p for p in watcher.plans if p.generation == 2)
+    assert [m.worker for m in gen2.members] == ["w0", "w2"] and gen2.spares == ["w3"]  # the spare stays one
+    decision = next(d for d in watcher.decisions if d.incident == event.incident)
+    assert decision.action is Action.SHRINK and "my policy shrinks" in decision.reason

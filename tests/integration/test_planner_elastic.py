@@ -11,8 +11,7 @@ import asyncio
 from nats.aio.msg import Msg
 
 from phalanx.bus import Bus
-from phalanx.bus.subjects import ACK, CAPACITY, FAILED, PREEMPT, PROPOSAL, REGISTERED, SPAWN
-from phalanx.schemas import (
+from phalanx.contract import (
     Action,
     CapacityChanged,
     Plan,
@@ -24,6 +23,7 @@ from phalanx.schemas import (
     SpawnWorkers,
     decode,
 )
+from phalanx.contract.subjects import ACK, CAPACITY, FAILED, PREEMPT, PROPOSAL, REGISTERED, SPAWN
 from tests.integration.planning import JOB, Watcher, failed, join, planner
 
 ELASTIC = {"max_world_size": 4, "cooldown_s": 0.0}

@@ -1,4 +1,4 @@
-"""phalanx.s3server: a real moto S3 server process, reached through obstore."""
+"""phalanx.devstack.s3server: a real moto S3 server process, reached through obstore."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import obstore
 import pytest
 from obstore.store import S3Store
 
-from phalanx.s3server import S3Server, S3ServerError
+from phalanx.devstack.s3server import S3Server, S3ServerError
 
 
 def store(srv: S3Server, bucket: str) -> S3Store:

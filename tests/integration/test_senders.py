@@ -23,28 +23,13 @@ from pathlib import Path
 
 import pytest
 from nats.aio.msg import Msg
+from phalanx.services.elasticity_planner.failure_policy import ReplaceOrShrink
 from phalanx.services.elasticity_planner.service import ElasticityPlanner
 from phalanx.services.failure_detector.service import FailureDetector, ServiceConfig
 
 from phalanx.bus import Bus
-from phalanx.bus._connection import PermissionDenied
-from phalanx.bus.subjects import (
-    ACK,
-    COMM_ERROR,
-    DECISION,
-    ERROR,
-    EXITED,
-    FAILED,
-    HUNG,
-    JOB_SPEC,
-    JOINED,
-    NODE_DIGEST,
-    PLAN,
-    REGISTERED,
-)
-from phalanx.natsauth import NatsAuth
-from phalanx.natsserver import NatsServer
-from phalanx.schemas import (
+from phalanx.bus.auth import PermissionDenied
+from phalanx.contract import (
     Action,
     CollectiveError,
     DigestEntry,
@@ -63,6 +48,22 @@ from phalanx.schemas import (
     Role,
     decode,
 )
+from phalanx.contract.subjects import (
+    ACK,
+    COMM_ERROR,
+    DECISION,
+    ERROR,
+    EXITED,
+    FAILED,
+    HUNG,
+    JOB_SPEC,
+    JOINED,
+    NODE_DIGEST,
+    PLAN,
+    REGISTERED,
+)
+from phalanx.devstack.natsserver import NatsServer
+from phalanx.natsauth import NatsAuth
 from tests.integration.test_auth import wait_for
 
 JOB = "sj"
@@ -222,8 +223,11 @@ async def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
             ):
                 await admin.nc.subscribe(subject, cb=seen.on_msg)
             await admin.nc.flush()
-            planner = ElasticityPlanner(await srv.connect("elasticity-planner", "planner", ensure=True))
-            planner.comm_grace_s = 0.3  # a broken generation re-forms quickly: an attack would show
+            # A broken generation re-forms quickly: an attack would show.
+            planner = ElasticityPlanner(
+                await srv.connect("elasticity-planner", "planner", ensure=True),
+                failure=ReplaceOrShrink(comm_grace_s=0.3),
+            )
             await planner.start()
             stack.push_async_callback(planner.stop)
             detector = FailureDetector(

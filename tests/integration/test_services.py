@@ -21,9 +21,8 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 
-from phalanx.bus import COMMANDS, EVENTS, SCHED, Bus
-from phalanx.bus.subjects import CAPACITY, PLAN, PREEMPT, RECOVERED
-from phalanx.schemas import (
+from phalanx.bus import Bus
+from phalanx.contract import (
     CapacityChanged,
     HealthReply,
     Member,
@@ -32,6 +31,8 @@ from phalanx.schemas import (
     PreemptionNotice,
     RecoveryDone,
 )
+from phalanx.contract.streams import COMMANDS, EVENTS, SCHED
+from phalanx.contract.subjects import CAPACITY, PLAN, PREEMPT, RECOVERED
 from phalanx.service import ping
 
 SERVICES = {

@@ -25,8 +25,13 @@ from nats.js.errors import BadRequestError, ServerError
 from structlog.testing import capture_logs
 
 from phalanx.bus import Bus
-from phalanx.bus._connection import inbox_prefix
-from phalanx.bus.subjects import (
+from phalanx.bus.topology import account_max_file, bucket_limits, ensure_topology, stream_limits
+from phalanx.contract import PlanAck, PlanDecision, RankFailed, StepStats
+from phalanx.contract.codec import encode
+from phalanx.contract.messages import Action, FaultCause, StepRecord
+from phalanx.contract.permissions import inbox_prefix
+from phalanx.contract.streams import BUCKET_HISTORY, BUCKETS, EVENTS, STREAMS
+from phalanx.contract.subjects import (
     ACK,
     COMM_ERROR,
     DECISION,
@@ -37,21 +42,8 @@ from phalanx.bus.subjects import (
     STEPS,
     Subject,
 )
-from phalanx.bus.topology import (
-    BUCKET_HISTORY,
-    BUCKETS,
-    EVENTS,
-    STREAMS,
-    account_max_file,
-    bucket_limits,
-    ensure_topology,
-    stream_limits,
-)
+from phalanx.devstack.natsserver import NatsServer
 from phalanx.natsauth import NatsAuth
-from phalanx.natsserver import NatsServer
-from phalanx.schemas import PlanAck, PlanDecision, RankFailed, StepStats
-from phalanx.schemas.codec import encode
-from phalanx.schemas.messages import Action, FaultCause, StepRecord
 
 JOB = "lim"
 

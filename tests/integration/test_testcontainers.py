@@ -13,9 +13,10 @@ import pytest
 from nats.aio.msg import Msg
 
 from _docker import docker_available
-from phalanx.bus import EVENTS, Bus
-from phalanx.bus.subjects import FAILED
-from phalanx.schemas import FaultCause, Message, RankFailed
+from phalanx.bus import Bus
+from phalanx.contract import FaultCause, Message, RankFailed
+from phalanx.contract.streams import EVENTS
+from phalanx.contract.subjects import FAILED
 
 pytestmark = pytest.mark.docker
 

@@ -17,12 +17,11 @@ import torch
 from phalanx.services.state_replication.service import keeper_config
 
 from phalanx.checkpoint.manifest import Manifest, ManifestError, digest_chunks
-from phalanx.checkpoint.retention import RetentionPolicy
+from phalanx.checkpoint.packing import Packing, unpack
 from phalanx.checkpoint.slots import SlotFile, SlotsBusy, SlotState, SnapshotSlots
 from phalanx.checkpoint.tiers import DirTier, Tier
 from phalanx.checkpoint.wire import MAX_FRAME, WireError, _decode, encode_frame
-from phalanx.runtime.state import Packing, unpack
-from phalanx.settings import SettingsError
+from phalanx.settings import RetentionPolicy, SettingsError
 
 D0 = "0" * 64  # a well-formed digest
 

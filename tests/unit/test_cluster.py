@@ -24,7 +24,7 @@ from phalanx.cluster import (
     parse_grace,
     parse_record,
 )
-from phalanx.schemas import CapacityChanged, PreemptionNotice
+from phalanx.contract import CapacityChanged, PreemptionNotice
 
 NOW = 1_700_000_000.0
 

@@ -1,7 +1,9 @@
-"""The generation communicator (phalanx.runtime.comm): store helpers, the abandonable
-arrival barrier, collectives and the destroy cascade, with ranks as threads over a
-real loopback TCPStore and gloo; backend choice by device, abort on gloo, and (skipped
-without GPUs) NCCL beside gloo and its real abort."""
+"""The communicator (phalanx.runtime.comm): store helpers, the abandonable arrival
+barrier, a generation's group (collectives and the destroy cascade), and the
+long-lived Communicator re-pointed from one generation to the next, each of its
+phases under its bound, with ranks as threads over a real loopback TCPStore and
+gloo; backend choice by device, abort on gloo, and (skipped without GPUs) NCCL
+beside gloo and its real abort."""
 
 from __future__ import annotations
 
@@ -19,16 +21,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from phalanx.contract import Member, Plan
 from phalanx.runtime.comm import (
     CommError,
     Communicator,
+    Group,
     Superseded,
     arrival_barrier,
     backend_for,
     connect_store,
     generation_store,
-    host_store,
 )
+from phalanx.runtime.store import host_store
 
 JOIN_S = 60.0  # generous: a hang shows up as a failure, never as a flaky timing
 _prefixes = itertools.count()
@@ -69,10 +73,22 @@ def run_ranks(n: int, fn: Callable[[int], Any], join_s: float = JOIN_S) -> list[
     return results
 
 
-def _comm(store: dist.TCPStore, prefix: str, rank: int, n: int, timeout_s: float = 30.0) -> Communicator:
+def _comm(store: dist.TCPStore, prefix: str, rank: int, n: int, timeout_s: float = 30.0) -> Group:
     client = connect_store(_addr(store))
     arrival_barrier(client, prefix, rank, n, lambda: False, timeout_s=JOIN_S)
-    return Communicator(client, prefix, rank, n, timeout_s=timeout_s)
+    return Group(client, prefix, rank, n, timeout_s=timeout_s)
+
+
+def _plan(store: dist.TCPStore, generation: int, workers: list[str], secret: str = "") -> Plan:
+    return Plan(
+        job="j1",
+        generation=generation,
+        members=[Member(worker=w, rank=r) for r, w in enumerate(workers)],
+        reason="test",
+        store_prefix=f"test-comm/j1/gen{generation}-{next(_prefixes)}",
+        store_secret=secret,
+        store_addr=_addr(store),
+    )
 
 
 # -- connect_store -------------------------------------------------------------------------------
@@ -238,10 +254,10 @@ def test_gloo_binds_the_address_it_is_given(prefix: str) -> None:
     s = host_store("127.0.0.1")
     before = set(_listening_ports())
 
-    def build(rank: int) -> Communicator:
+    def build(rank: int) -> Group:
         client = connect_store(f"127.0.0.1:{s.port}")
         arrival_barrier(client, prefix, rank, 2, lambda: False, timeout_s=JOIN_S)
-        return Communicator(client, prefix, rank, 2, timeout_s=30.0, bind="127.0.0.1")
+        return Group(client, prefix, rank, 2, timeout_s=30.0, bind="127.0.0.1")
 
     comms = run_ranks(2, build)
     try:
@@ -275,7 +291,7 @@ def test_without_the_generations_secret_a_client_neither_sees_nor_forges_its_key
     def member(rank: int) -> list[float]:
         client = generation_store(connect_store(_addr(store)), secret)
         arrival_barrier(client, prefix, rank, 2, lambda: False, timeout_s=JOIN_S)
-        comm = Communicator(client, prefix, rank, 2)
+        comm = Group(client, prefix, rank, 2)
         t = torch.full((2,), float(rank + 1))
         comm.allreduce_sum_(t)
         comm.destroy()
@@ -296,7 +312,7 @@ def test_a_failed_rendezvous_names_its_prefix_never_its_secret(store: dist.TCPSt
     secret = "s3cret-never-shown"
     alone = generation_store(connect_store(_addr(store), timeout_s=1.0), secret)
     with pytest.raises(CommError) as caught:
-        Communicator(alone, prefix, 0, 2, timeout_s=1.0)  # rank 1 never comes
+        Group(alone, prefix, 0, 2, timeout_s=1.0)  # rank 1 never comes
     text = str(caught.value)
     assert f"<secret>/{prefix}/" in text and secret not in text, text
     assert secret not in "".join(traceback.format_exception(caught.value))  # a logged traceback too
@@ -334,16 +350,16 @@ def test_communicator_on_cuda_without_cuda_is_a_clear_error(store: dist.TCPStore
     first would block for the timeout and fail with CommError instead."""
     client = connect_store(_addr(store))
     with pytest.raises(ValueError, match=r"NCCL|no CUDA device"):
-        Communicator(client, prefix, 0, 2, timeout_s=5.0, device=torch.device("cuda"))
+        Group(client, prefix, 0, 2, timeout_s=5.0, device=torch.device("cuda"))
     with pytest.raises(ValueError, match="no communication backend"):
-        Communicator(client, prefix, 0, 2, timeout_s=5.0, device=torch.device("meta"))
+        Group(client, prefix, 0, 2, timeout_s=5.0, device=torch.device("meta"))
 
 
 def test_cpu_device_is_the_default_path(store: dist.TCPStore, prefix: str) -> None:
     def rank(r: int) -> tuple[torch.device, torch.Tensor]:
         client = connect_store(_addr(store))
         arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
-        comm = Communicator(client, prefix, r, 2, 30.0, None, torch.device("cpu"))
+        comm = Group(client, prefix, r, 2, 30.0, None, torch.device("cpu"))
         t = torch.tensor([float(r + 1)])
         comm.allreduce_sum_(t)
         comm.destroy()
@@ -351,13 +367,13 @@ def test_cpu_device_is_the_default_path(store: dist.TCPStore, prefix: str) -> No
 
     for device, t in run_ranks(2, rank):
         assert device == torch.device("cpu") and t.tolist() == [3.0]
-    default = Communicator(dist.HashStore(), "p", 0, 1)
+    default = Group(dist.HashStore(), "p", 0, 1)
     assert default.device == torch.device("cpu")
     default.destroy()
 
 
 def test_abort_on_gloo_is_harmless_and_final() -> None:
-    comm = Communicator(dist.HashStore(), "abort-idle", 0, 1, timeout_s=5.0)
+    comm = Group(dist.HashStore(), "abort-idle", 0, 1, timeout_s=5.0)
     t = torch.ones(2)
     comm.allreduce_sum_(t)
     assert not comm.abortable  # the runtime does not count on it for gloo
@@ -400,7 +416,7 @@ def test_abort_on_gloo_does_not_release_an_op_in_flight(store: dist.TCPStore, pr
             done.set()
         return "completed"
 
-    peer_comm: dict[int, Communicator] = {}
+    peer_comm: dict[int, Group] = {}
     res = run_ranks(2, rank)
     assert res[0] == "left"
     assert res[1].startswith("CommError: allreduce on"), res[1]
@@ -413,7 +429,7 @@ def test_abort_on_gloo_does_not_release_an_op_in_flight(store: dist.TCPStore, pr
 
 @needs_cuda
 def test_cuda_communicator_dispatches_by_tensor_device() -> None:
-    comm = Communicator(dist.HashStore(), "cuda-1", 0, 1, timeout_s=30.0, device=torch.device("cuda"))
+    comm = Group(dist.HashStore(), "cuda-1", 0, 1, timeout_s=30.0, device=torch.device("cuda"))
     assert comm.device == torch.device("cuda", torch.cuda.current_device())
     on_gpu = torch.ones(4, device=comm.device)
     on_cpu = torch.ones(4)
@@ -433,16 +449,14 @@ def test_nccl_abort_releases_an_allreduce_blocked_in_another_thread(
     store: dist.TCPStore, prefix: str
 ) -> None:
     built = threading.Barrier(2)
-    comms: dict[int, Communicator] = {}
+    comms: dict[int, Group] = {}
     timings: dict[str, float] = {}
 
     def rank(r: int) -> str:
         torch.cuda.set_device(r)
         client = connect_store(_addr(store))
         arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
-        comm = comms[r] = Communicator(
-            client, prefix, r, 2, timeout_s=10 * JOIN_S, device=torch.device("cuda", r)
-        )
+        comm = comms[r] = Group(client, prefix, r, 2, timeout_s=10 * JOIN_S, device=torch.device("cuda", r))
         built.wait(JOIN_S)
         if r == 0:  # never joins; aborts the peer from here
             time.sleep(1.0)
@@ -461,3 +475,111 @@ def test_nccl_abort_releases_an_allreduce_blocked_in_another_thread(
     assert res[0] == "left"
     assert res[1].startswith("CommError: allreduce on"), res[1]
     assert timings["op_s"] < JOIN_S, timings  # released by the abort, far before the op timeout
+
+
+# -- the long-lived Communicator -----------------------------------------------------------------
+
+
+def test_one_communicator_is_re_pointed_from_generation_to_generation(store: dist.TCPStore) -> None:
+    """The same objects go through generations of 3, then 2 ranks (one left), then 3
+    again (a joiner): each configure() reaches that generation's members only."""
+    workers = ["w0", "w1", "w2", "w3"]
+    comms = {w: Communicator(w, _addr(store), backstop_s=JOIN_S) for w in workers}
+    plans = [
+        _plan(store, 1, ["w0", "w1", "w2"], secret="s1"),
+        _plan(store, 2, ["w0", "w2"], secret="s2"),
+        _plan(store, 3, ["w0", "w3", "w2"], secret="s3"),
+    ]
+    seen: dict[str, list[tuple[int, int, int, float]]] = {w: [] for w in workers}
+    connecting: list[tuple[str, int]] = []
+
+    def member(w: str, plan: Plan) -> None:
+        comm = comms[w]
+        comm.configure(
+            plan,
+            cancelled=lambda: False,
+            arrival_s=JOIN_S,
+            connect_s=JOIN_S,
+            connecting=lambda: connecting.append((w, plan.generation)),
+        )
+        t = torch.tensor([float(comm.rank + 1)])
+        comm.allreduce_sum_(t, timeout_s=JOIN_S)
+        comm.barrier(timeout_s=JOIN_S)
+        seen[w].append((comm.generation, comm.rank, comm.world_size, float(t.item())))
+
+    for plan in plans:
+        names = [m.worker for m in plan.members]
+        results = run_ranks(len(names), lambda r, names=names, plan=plan: member(names[r], plan))
+        assert all(r is None for r in results), results
+    assert seen["w0"] == [(1, 0, 3, 6.0), (2, 0, 2, 3.0), (3, 0, 3, 6.0)]
+    assert seen["w2"] == [(1, 2, 3, 6.0), (2, 1, 2, 3.0), (3, 2, 3, 6.0)]
+    assert seen["w1"] == [(1, 1, 3, 6.0)] and seen["w3"] == [(3, 1, 3, 6.0)]
+    assert sorted(connecting) == sorted((m.worker, p.generation) for p in plans for m in p.members)
+    assert len(comms["w0"]._stores) == 1  # the store is connected once, kept for later generations
+    for comm in comms.values():
+        comm.release()
+        comm.release()  # idempotent
+        assert not comm.configured
+        with pytest.raises(CommError, match="between generations"):
+            comm.allreduce_sum_(torch.ones(1))
+
+
+def test_configure_refuses_a_plan_without_this_worker(store: dist.TCPStore) -> None:
+    comm = Communicator("w9", _addr(store))
+    with pytest.raises(ValueError, match="no member"):
+        comm.configure(_plan(store, 1, ["w0"]), cancelled=lambda: False, arrival_s=1.0, connect_s=1.0)
+
+
+def test_a_rendezvous_is_bounded_and_abandonable(store: dist.TCPStore) -> None:
+    """Waiting for a member that never arrives ends at the arrival bound (CommError)
+    or at once when a newer plan supersedes it; either way no group is held."""
+    comm = Communicator("w0", _addr(store), backstop_s=JOIN_S)
+    t0 = time.monotonic()
+    with pytest.raises(CommError, match="timed out"):
+        comm.configure(
+            _plan(store, 1, ["w0", "w1"]), cancelled=lambda: False, arrival_s=0.3, connect_s=JOIN_S
+        )
+    assert time.monotonic() - t0 < 5.0
+    assert not comm.configured
+    with pytest.raises(Superseded):
+        comm.configure(
+            _plan(store, 2, ["w0", "w1"]), cancelled=lambda: True, arrival_s=JOIN_S, connect_s=JOIN_S
+        )
+    assert not comm.configured
+
+
+def test_connecting_to_a_member_hung_after_its_arrival_ends_at_the_connect_bound(
+    store: dist.TCPStore,
+) -> None:
+    """w1 arrives, then hangs before building its group (``connecting`` blocks): w0's
+    connect gives up after ``connect_s``, not gloo's default or the backstop."""
+    plan = _plan(store, 1, ["w0", "w1"])
+    release = threading.Event()
+    took: dict[str, float] = {}
+
+    def member(r: int) -> None:
+        comm = Communicator(f"w{r}", _addr(store), backstop_s=JOIN_S)
+        hang = release.wait if r == 1 else None
+        t0 = time.monotonic()
+        try:
+            comm.configure(plan, cancelled=lambda: False, arrival_s=JOIN_S, connect_s=1.0, connecting=hang)
+        finally:
+            took[f"w{r}"] = time.monotonic() - t0
+            comm.release()
+            release.set()
+
+    results = run_ranks(2, member)
+    assert isinstance(results[0], CommError), results
+    assert took["w0"] < 10.0, took
+
+
+def test_abort_below_spares_a_newer_generation(store: dist.TCPStore) -> None:
+    comm = Communicator("w0", _addr(store), backstop_s=JOIN_S)
+    comm.configure(_plan(store, 3, ["w0"]), cancelled=lambda: False, arrival_s=JOIN_S, connect_s=JOIN_S)
+    comm.abort(below=3)  # a plan of this very generation: nothing to abort
+    comm.allreduce_sum_(torch.ones(2), timeout_s=JOIN_S)
+    comm.abort(below=4)  # a newer plan: the group held is aborted
+    with pytest.raises(CommError, match="aborted"):
+        comm.allreduce_sum_(torch.ones(2), timeout_s=JOIN_S)
+    comm.release()
+    comm.abort()  # nothing held: never raises

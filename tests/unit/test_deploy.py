@@ -47,8 +47,8 @@ from typing import Any
 import pytest
 from phalanx.services.scheduler_signal.sources import ClusterFile
 
-from phalanx.natsauth import ROLE_OF_SERVICE
-from phalanx.natsserver import find_binary
+from phalanx.contract.permissions import ROLE_OF_SERVICE
+from phalanx.devstack.natsserver import find_binary
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (pip install -e .[test])")
 
@@ -241,7 +241,7 @@ def test_env_example_and_secret_example_name_every_password() -> None:
 def test_each_k8s_node_gets_a_file_of_its_own_logins(tmp_path: Path) -> None:
     """``render.py launchers``: one file per node index (the Secret phalanx-launchers-sample),
     with that node's launcher login and its workers', nobody else's, as in deploy/.env."""
-    from phalanx.natsauth import ENV_WORKER_CREDENTIALS, read_env_file
+    from phalanx.bus.credentials import ENV_WORKER_CREDENTIALS, read_env_file
 
     (tmp_path / ".env").write_text(render.random_env())
     values = read_env_file(tmp_path / ".env")

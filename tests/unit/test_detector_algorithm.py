@@ -9,22 +9,13 @@ import math
 import random
 
 import pytest
-from phalanx.services.failure_detector.detector import (
-    PHI_CAP,
-    Detector,
-    DetectorConfig,
-    FakeClock,
-    Incident,
-    IntervalWindow,
-    NodeIncident,
-    incident_id,
-    node_incident_id,
-    phi,
-    phi_threshold_z,
-)
+from phalanx.services.failure_detector.config import DetectorConfig
+from phalanx.services.failure_detector.detector import Detector
+from phalanx.services.failure_detector.phi import PHI_CAP, IntervalWindow, phi, phi_threshold_z
 from phalanx.services.failure_detector.service import ServiceConfig
+from phalanx.services.failure_detector.verdicts import Incident, NodeIncident, incident_id, node_incident_id
 
-from phalanx.schemas import (
+from phalanx.contract import (
     DigestEntry,
     FaultCause,
     Heartbeat,
@@ -39,6 +30,7 @@ from phalanx.schemas import (
     decode,
     encode,
 )
+from tests.unit.fakeclock import FakeClock
 
 I = 0.1  # heartbeat interval of the simulated workers (s)  # noqa: E741
 
@@ -222,7 +214,7 @@ def test_many_workers_tick_cost_stays_bounded_and_detection_within_three_interva
                 next_beat[i] += interval
         for inc in det.tick():
             found[inc.worker] = now
-        max_heap = max(max_heap, len(det._heap))
+        max_heap = max(max_heap, len(det._deadlines.heap))
         clock.advance(0.01)
     assert set(found) == {f"w{i}" for i in silent_at}
     for i, at in silent_at.items():
@@ -581,9 +573,13 @@ def test_incident_becomes_a_valid_event() -> None:
 
 def test_docstring_examples() -> None:
     import phalanx.services.failure_detector.detector as detector_module
+    import phalanx.services.failure_detector.phi as phi_module
     import phalanx.services.failure_detector.service as service_module
+    import phalanx.services.failure_detector.verdicts as verdicts_module
 
-    for module in (detector_module, service_module):
+    import tests.unit.fakeclock as fakeclock_module
+
+    for module in (detector_module, phi_module, verdicts_module, service_module, fakeclock_module):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__
 
@@ -896,7 +892,7 @@ def _mutants(rng: random.Random) -> list[dict[str, object]]:
 
 
 def _as_read(d: NodeDigest) -> tuple[object, ...]:
-    from phalanx.services.failure_detector.detector import digest_row
+    from phalanx.services.failure_detector.digests import digest_row
 
     return (d.job, d.node, d.launcher, d.host, d.seq, d.interval_ms, [digest_row(e) for e in d.entries])
 
@@ -919,7 +915,7 @@ def test_read_digest_takes_only_what_decode_takes_and_reads_it_the_same() -> Non
     import msgpack
     from phalanx.services.failure_detector.wire import read_digest
 
-    from phalanx.schemas import DecodeError, headers_for
+    from phalanx.contract import DecodeError, headers_for
 
     headers = headers_for(NodeDigest)
     payloads = [(msgpack.packb(d, use_bin_type=True), headers) for d in _mutants(random.Random(7))]
@@ -979,7 +975,7 @@ def test_bench_simulator_sends_what_a_launcher_encodes() -> None:
 
 # -- inputs checked: registered pid, sequence bound, resync --------------------------------
 def _registered(worker: str = "w0", pid: int = 100, job: str = "j1"):  # type: ignore[no-untyped-def]
-    from phalanx.schemas import Registered, Role
+    from phalanx.contract import Registered, Role
 
     return Registered(job=job, worker=worker, role=Role.RANK, host="h1", pid=pid)
 

@@ -1,4 +1,4 @@
-"""The node digest publisher (:mod:`phalanx.runtime.digest`) with real unix
+"""The node digest publisher (:mod:`phalanx.worker.digest`) with real unix
 datagram sockets, real subprocesses as forgers and a real nats-server.
 
 Ranks' heartbeats go through :class:`HeartbeatPublisher` with a socket path (the
@@ -23,11 +23,11 @@ import pytest
 from nats.aio.msg import Msg
 
 from phalanx.bus import Bus
-from phalanx.bus.subjects import NODE_DIGEST
-from phalanx.runtime.digest import NodeDigestPublisher
-from phalanx.runtime.heartbeat import HeartbeatPublisher
-from phalanx.runtime.status import RankStatus
-from phalanx.schemas import NodeDigest, Phase, decode, encode
+from phalanx.contract import NodeDigest, Phase, decode, encode
+from phalanx.contract.subjects import NODE_DIGEST
+from phalanx.worker.digest import NodeDigestPublisher
+from phalanx.worker.heartbeat import HeartbeatPublisher
+from phalanx.worker.status import RankStatus
 
 WAIT = 20.0
 FOREVER = 3600.0  # a digest interval no test waits for: digests come from digest() or stop()
@@ -209,9 +209,9 @@ async def test_finished_steps_reach_the_events_stream(bus: Bus, node: NodeDigest
     """Steps a rank completed ride on its heartbeats; the launcher publishes them on
     JetStream, where a report reads them after the job. A rank cannot report steps
     as another worker."""
-    from phalanx.bus.topology import EVENTS
+    from phalanx.contract import StepRecord, StepStats
+    from phalanx.contract.streams import EVENTS
     from phalanx.report import read_stream
-    from phalanx.schemas import StepRecord, StepStats
 
     node.expect("node-a-w0", os.getpid())
     hb = rank(bus, node, "node-a-w0")
@@ -224,9 +224,7 @@ async def test_finished_steps_reach_the_events_stream(bus: Bus, node: NodeDigest
     await wait_until(lambda: node.received > before, "the heartbeat")
     assert not hb.status.unsent  # taken by the heartbeat that went out
     await node.publish_steps()
-    stats = [
-        m for m in await read_stream(bus.js, EVENTS.name, "phalanx.evt.j1.steps") if isinstance(m, StepStats)
-    ]
+    stats = [m for m in await read_stream(bus, EVENTS, "phalanx.evt.j1.steps") if isinstance(m, StepStats)]
     records = [r for m in stats for r in m.steps]
     assert [(r.worker, r.step, r.step_ms, r.loss) for r in records] == [
         ("node-a-w0", 1, 10.0, 2.5),

@@ -1,4 +1,4 @@
-"""The planner's elastic decisions (ReplaceOrShrink.on_spares / on_preemption /
+"""The planner's elastic decisions (GrowIntoSpares.on_spares / on_preemption /
 on_proposal) and the batch split every plan carries (phalanx.batchplan)."""
 
 from __future__ import annotations
@@ -9,19 +9,25 @@ import pytest
 from pydantic import ValidationError
 
 from phalanx.batchplan import plan_batch, plan_for, shard_sizes
-from phalanx.schemas import Action, Elastic, JobSpec, LrRule, Member, Plan
-from services.elasticity_planner.policy import (
+from phalanx.contract import (
+    Action,
+    Elastic,
     JobPhase,
+    JobRecord,
+    JobSpec,
     JobState,
+    LrRule,
+    Member,
     NodeState,
-    ReplaceOrShrink,
-    largest_allowed,
-    state_from_dict,
-    state_to_dict,
+    Plan,
+    decode,
+    encode,
 )
+from services.elasticity_planner.decisions import largest_allowed
+from services.elasticity_planner.scaling_policy import GrowIntoSpares
 
 JOB = "el"
-POLICY = ReplaceOrShrink()
+POLICY = GrowIntoSpares()
 
 
 def make_state(
@@ -59,8 +65,12 @@ def make_state(
         phase=phase,
         plan=plan,
         nodes={
-            "a": NodeState("La", "ha", "10.0.0.1:1", a, len(a), slots=len(a)),
-            "b": NodeState("Lb", "hb", "10.0.0.2:1", b, len(b), slots=len(b)),
+            "a": NodeState(
+                launcher="La", host="ha", store_addr="10.0.0.1:1", workers=a, ranks=len(a), slots=len(a)
+            ),
+            "b": NodeState(
+                launcher="Lb", host="hb", store_addr="10.0.0.2:1", workers=b, ranks=len(b), slots=len(b)
+            ),
         },
         ranks=list(members),
         spares=spares,
@@ -128,7 +138,7 @@ def test_the_new_fields_survive_the_record() -> None:
     state = make_state(["a-w0", "a-w1"])
     state.offered, state.spawned, state.changed_at, state.sched_seq = {"b": 2}, {"b-w2": 5.0}, 7.0, 42
     state.nodes["b"].slots, state.nodes["b"].reserve = 3, 1
-    back = state_from_dict(state_to_dict(state), state.plan)
+    back = decode(*encode(JobRecord(job=JOB, token=1, plan=state.plan, planner=state)), JobRecord).planner
     assert back == state
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench import gpu_check
-from phalanx.runtime.state import pack, unpack
+from phalanx.checkpoint.packing import pack, unpack
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,9 +11,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from phalanx.runtime.loop import UserLoop, _layout_of
+from phalanx.runtime.buckets import LayoutError, layout_of
+from phalanx.runtime.loop import UserLoop
 from phalanx.runtime.sampler import ElasticSampler
-from phalanx.runtime.session import RecoveryError
 
 DATA = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
 
@@ -63,8 +63,8 @@ def test_backward_outside_steps_is_an_error() -> None:
 
 
 def test_a_peer_s_bucket_layout_is_checked() -> None:
-    assert _layout_of(None, 3) is None
-    assert _layout_of([[2, 1], [0]], 3) == [[2, 1], [0]]
+    assert layout_of(None, 3) is None
+    assert layout_of([[2, 1], [0]], 3) == [[2, 1], [0]]
     for bad in ([[0, 1]], [[0, 1, 1, 2]], [[0], "x"], {"a": 1}, [[0, 1, 3]]):
-        with pytest.raises(RecoveryError, match="layout"):
-            _layout_of(bad, 3)
+        with pytest.raises(LayoutError, match="layout"):
+            layout_of(bad, 3)

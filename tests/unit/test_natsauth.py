@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.bus._connection import (
+from phalanx.bus.auth import (
     ENV_NATS_PASSWORD,
     ENV_NATS_TLS_CA,
     ENV_NATS_TLS_CERT,
@@ -24,7 +24,24 @@ from phalanx.bus._connection import (
     ENV_NATS_USER,
     nats_auth_options,
 )
-from phalanx.bus.subjects import (
+from phalanx.bus.credentials import (
+    ENV_RANK_PASSWORD,
+    ENV_RANK_USER,
+    ENV_WORKER_CREDENTIALS,
+    worker_credentials,
+)
+from phalanx.contract.permissions import (
+    ROLE_OF_PARTY,
+    ROLES,
+    SERVICES,
+    Permissions,
+    permissions,
+    received_by,
+    user_name,
+)
+from phalanx.contract.proto import PARTIES
+from phalanx.contract.proto import subject_matches as matches
+from phalanx.contract.subjects import (
     ACK,
     CAPACITY,
     CATALOGUE,
@@ -50,23 +67,7 @@ from phalanx.bus.subjects import (
     STEPS,
     Subject,
 )
-from phalanx.natsauth import (
-    ENV_RANK_PASSWORD,
-    ENV_RANK_USER,
-    ENV_WORKER_CREDENTIALS,
-    ROLE_OF_PARTY,
-    ROLES,
-    SERVICES,
-    NatsAuth,
-    Permissions,
-    main,
-    permissions,
-    received_by,
-    user_name,
-    worker_credentials,
-)
-from phalanx.proto import PARTIES
-from phalanx.proto import subject_matches as matches
+from phalanx.natsauth import NatsAuth, main
 
 EXPECTED: dict[str, set[Subject]] = {
     "planner": {PLAN, DECISION, JOINED, SPAWN},
@@ -386,8 +387,8 @@ def test_the_launcher_gives_each_worker_its_own_login(
     """Launcher.spawn: a listed worker gets its own user, another the job's rank user."""
     import subprocess
 
-    from phalanx.runtime.launcher import LaunchConfig, Launcher
-    from phalanx.schemas import Role as WorkerRole
+    from phalanx.contract import Role as WorkerRole
+    from phalanx.launcher.launcher import LaunchConfig, Launcher
 
     auth = NatsAuth.generate([], jobs={"j1": ["w0"]})
     envs: dict[str, dict[str, str]] = {}

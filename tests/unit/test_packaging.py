@@ -53,7 +53,7 @@ def test_every_module_of_the_checkout_is_in_the_wheel(wheel: zipfile.ZipFile) ->
                 continue  # mapped on its own (phalanx.services, phalanx.examples)
             inside = "/".join([*package.split("."), *rel.parts])
             assert inside in names, f"{py.relative_to(ROOT)} is not in the wheel (as {inside})"
-    for needed in ("phalanx/examples/train_gpt.py", "phalanx/cli/__main__.py", "phalanx/demo.py"):
+    for needed in ("phalanx/examples/train_gpt.py", "phalanx/cli/__main__.py", "phalanx/devstack/demo.py"):
         assert needed in names
 
 

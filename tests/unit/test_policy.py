@@ -1,19 +1,13 @@
-"""The default fault policy (services.elasticity_planner.policy.ReplaceOrShrink):
+"""The default failure policy (services.elasticity_planner.failure_policy.ReplaceOrShrink):
 replace with a hot spare, drop a lost spare, shrink, stop, or hold."""
 
 from __future__ import annotations
 
 import pytest
 
-from phalanx.schemas import Action, JobSpec, Member, Plan
-from services.elasticity_planner.policy import (
-    Decision,
-    Fault,
-    JobPhase,
-    JobState,
-    NodeState,
-    ReplaceOrShrink,
-)
+from phalanx.contract import Action, JobPhase, JobSpec, JobState, Member, NodeState, Plan
+from services.elasticity_planner.decisions import Decision, Fault
+from services.elasticity_planner.failure_policy import ReplaceOrShrink
 
 JOB = "job-1"
 
@@ -48,7 +42,15 @@ def make_state(
         spec=spec,
         phase=phase,
         plan=plan,
-        nodes={"local": NodeState("L1", "h", "127.0.0.1:1", members + spares, len(members))},
+        nodes={
+            "local": NodeState(
+                launcher="L1",
+                host="h",
+                store_addr="127.0.0.1:1",
+                workers=members + spares,
+                ranks=len(members),
+            )
+        },
         ranks=list(members),
         spares=spares,
         lost=set(lost or ()),
@@ -178,8 +180,12 @@ def two_node_state(spares_a: list[str], spares_b: list[str], min_world_size: int
     """Ranks a-w0, a-w1, b-w0, b-w1 (world 4) on nodes a and b, with their spares."""
     state = make_state(["a-w0", "a-w1", "b-w0", "b-w1"], spares_a + spares_b, min_world_size=min_world_size)
     state.nodes = {
-        "a": NodeState("La", "ha", "10.0.0.1:1", ["a-w0", "a-w1", *spares_a], 2),
-        "b": NodeState("Lb", "hb", "10.0.0.2:1", ["b-w0", "b-w1", *spares_b], 2),
+        "a": NodeState(
+            launcher="La", host="ha", store_addr="10.0.0.1:1", workers=["a-w0", "a-w1", *spares_a], ranks=2
+        ),
+        "b": NodeState(
+            launcher="Lb", host="hb", store_addr="10.0.0.2:1", workers=["b-w0", "b-w1", *spares_b], ranks=2
+        ),
     }
     return state
 
@@ -210,7 +216,7 @@ def test_a_lost_node_with_too_few_spares_elsewhere_shrinks_or_stops() -> None:
 
 def test_a_lost_node_without_members_only_drops_its_spares() -> None:
     state = two_node_state([], [])
-    state.nodes["c"] = NodeState("Lc", "hc", "10.0.0.3:1", ["c-s0"], 0)
+    state.nodes["c"] = NodeState(launcher="Lc", host="hc", store_addr="10.0.0.3:1", workers=["c-s0"], ranks=0)
     state.spares.append("c-s0")
     d = ReplaceOrShrink().on_node_lost(state, "c", "lost")
     assert d.action is Action.HOLD and d.members is None and d.removed == ["c-s0"]

@@ -15,8 +15,7 @@ from examples.policy_step_time import (
     median_window,
     parse_args,
 )
-from phalanx.policy import StepSampler, new_proposal_id
-from phalanx.schemas import (
+from phalanx.contract import (
     Action,
     BatchPlan,
     DigestEntry,
@@ -25,6 +24,7 @@ from phalanx.schemas import (
     PlanDecision,
     Proposal,
 )
+from phalanx.policy import StepSampler, new_proposal_id
 
 JOB = "j1"
 BATCH = 12

@@ -18,10 +18,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from phalanx import proto
-from phalanx.bus.subjects import CATALOGUE, Transport
-from phalanx.bus.topology import STREAMS
-from phalanx.schemas import encode, registry
+from phalanx.contract import encode, proto, registry
+from phalanx.contract.streams import STREAMS
+from phalanx.contract.subjects import CATALOGUE, Transport
 
 ROOT = Path(__file__).resolve().parents[2] / "proto"
 
@@ -115,6 +114,9 @@ def validate(
                 len(value) >= arg if key == "minProperties" else len(value) <= arg
             ):
                 errors.append(f"{path}: {len(value)} properties violate {key} {arg}")
+        elif key == "uniqueItems":
+            if arg and isinstance(value, list) and len({repr(v) for v in value}) != len(value):
+                errors.append(f"{path}: {value!r} holds an item twice")
         elif key == "pattern":
             if isinstance(value, str) and not re.search(arg, value):
                 errors.append(f"{path}: {value!r} does not match {arg}")
@@ -185,7 +187,7 @@ def test_every_registered_message_travels_somewhere() -> None:
 def test_every_subject_has_a_sender_and_a_receiver() -> None:
     for s in CATALOGUE:
         senders, receivers = proto.PARTIES.get(s.pattern, ((), ()))
-        assert senders and receivers, f"add {s.pattern} to phalanx.proto.PARTIES"
+        assert senders and receivers, f"add {s.pattern} to phalanx.contract.proto.PARTIES"
     assert set(proto.PARTIES) == {s.pattern for s in CATALOGUE}
 
 
@@ -221,7 +223,7 @@ def test_subject_matching(filter_: str, subject: str, match: bool) -> None:
 # -- generated schemas describe the real wire -------------------------------------------
 def test_there_is_an_example_of_every_kind() -> None:
     missing = set(registry()) - set(proto.examples())
-    assert not missing, f"add examples of {sorted(missing)} to phalanx.proto.examples()"
+    assert not missing, f"add examples of {sorted(missing)} to phalanx.contract.proto.examples()"
 
 
 @pytest.mark.parametrize("kind", sorted(registry()))

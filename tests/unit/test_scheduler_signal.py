@@ -33,7 +33,7 @@ from phalanx.services.scheduler_signal.kube import (
 )
 from phalanx.services.scheduler_signal.sources import FileClusterSource, Ledger, Signal
 
-from phalanx.schemas import CapacityChanged, PreemptionNotice
+from phalanx.contract import CapacityChanged, PreemptionNotice
 
 DATA = Path(__file__).parent / "k8s"
 

@@ -8,8 +8,7 @@ import msgpack
 import pytest
 from pydantic import ValidationError
 
-from phalanx.proto import examples
-from phalanx.schemas import (
+from phalanx.contract import (
     DecodeError,
     Heartbeat,
     JobSpec,
@@ -22,7 +21,8 @@ from phalanx.schemas import (
     encode,
     registry,
 )
-from phalanx.schemas.codec import HDR_ENCODING, HDR_KIND, HDR_SCHEMA
+from phalanx.contract.codec import HDR_ENCODING, HDR_KIND, HDR_SCHEMA
+from phalanx.contract.proto import examples
 
 EXAMPLES = examples()
 

@@ -1,4 +1,4 @@
-"""Cutting this process's connections to a lost node's address (phalanx.runtime.sever):
+"""Cutting this process's connections to a lost node's address (phalanx.worker.sever):
 a read blocked on such a connection ends at once; other connections are untouched."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from phalanx.runtime.sever import sever
+from phalanx.worker.sever import sever
 
 
 @pytest.fixture

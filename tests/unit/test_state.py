@@ -22,9 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.checkpoint import packing
+from phalanx.checkpoint.packing import StateTransferError, checksum, pack, unpack
 from phalanx.runtime import state as state_mod
-from phalanx.runtime.comm import Communicator, arrival_barrier, connect_store, host_store
-from phalanx.runtime.state import StateTransferError, checksum, pack, recv_state, send_state, unpack
+from phalanx.runtime.comm import Group, arrival_barrier, connect_store
+from phalanx.runtime.state import recv_state, send_state
+from phalanx.runtime.store import host_store
 
 JOIN_S = 60.0
 _prefixes = itertools.count()
@@ -199,7 +202,7 @@ def store() -> Iterator[dist.TCPStore]:
     yield host_store()
 
 
-def run_pair(store: dist.TCPStore, fn: Callable[[Communicator], Any]) -> list[Any]:
+def run_pair(store: dist.TCPStore, fn: Callable[[Group], Any]) -> list[Any]:
     """Build a fresh 2-rank communicator (each rank its own store client) and run ``fn`` per rank."""
     prefix = f"test-state/{next(_prefixes)}"
     results: list[Any] = [None, None]
@@ -208,7 +211,7 @@ def run_pair(store: dist.TCPStore, fn: Callable[[Communicator], Any]) -> list[An
         try:
             client = connect_store(f"127.0.0.1:{store.port}")
             arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
-            comm = Communicator(client, prefix, r, 2, timeout_s=JOIN_S)
+            comm = Group(client, prefix, r, 2, timeout_s=JOIN_S)
             try:
                 results[r] = fn(comm)
             finally:
@@ -229,7 +232,7 @@ def test_send_recv_state_round_trip(store: dist.TCPStore) -> None:
     sent = nested_state()
     meta, buf = pack(sent)
 
-    def rank(comm: Communicator) -> Any:
+    def rank(comm: Group) -> Any:
         if comm.rank == 0:
             send_state(comm, meta, buf, checksum(buf), dst=1)
             return "sent"
@@ -246,7 +249,7 @@ def test_send_recv_state_without_tensors(store: dist.TCPStore) -> None:
     sent = {"step": 5, "data": {"epoch": 0}}
     meta, buf = pack(sent)
 
-    def rank(comm: Communicator) -> Any:
+    def rank(comm: Group) -> Any:
         if comm.rank == 0:
             return send_state(comm, meta, buf, checksum(buf), dst=1)
         return recv_state(comm, src=0)
@@ -259,7 +262,7 @@ def test_recv_state_rejects_a_wrong_crc_in_the_header(store: dist.TCPStore) -> N
     meta, buf = pack(nested_state())
     bad_crc = checksum(buf) ^ 0x10
 
-    def rank(comm: Communicator) -> Any:
+    def rank(comm: Group) -> Any:
         if comm.rank == 0:
             return send_state(comm, meta, buf, bad_crc, dst=1)
         return recv_state(comm, src=0)
@@ -277,7 +280,7 @@ def test_recv_state_rejects_a_corrupted_payload(store: dist.TCPStore) -> None:
     bad = buf.clone()
     bad[buf.numel() // 3] ^= 0x80
 
-    def rank(comm: Communicator) -> Any:
+    def rank(comm: Group) -> Any:
         if comm.rank == 0:
             header = state_mod._encode_header(len(meta), buf.numel(), zlib.crc32(meta), crc)
             comm.send(header, 1, state_mod._TAG_HEADER)
@@ -409,7 +412,7 @@ def test_pack_refuses_what_it_cannot_represent(obj: Any, where: str) -> None:
 
 def test_pack_refuses_excessive_depth_and_cycles() -> None:
     deep: list[Any] = []
-    for _ in range(state_mod.MAX_DEPTH + 1):
+    for _ in range(packing.MAX_DEPTH + 1):
         deep = [deep]
     with pytest.raises(StateTransferError, match="deeper"):
         pack(deep)
@@ -472,16 +475,16 @@ def test_unpack_refuses_malformed_metadata(change: Callable[[dict[str, Any]], An
 
 def test_unpack_refuses_excessive_depth() -> None:
     node: Any = 1
-    for _ in range(state_mod.MAX_DEPTH + 1):
+    for _ in range(packing.MAX_DEPTH + 1):
         node = ["list", [node]]
-    meta = msgpack.packb({"v": state_mod._VERSION, "size": 0, "tensors": [], "tree": node})
+    meta = msgpack.packb({"v": packing.VERSION, "size": 0, "tensors": [], "tree": node})
     with pytest.raises(StateTransferError, match="deeper than"):
         unpack(meta, torch.empty(0, dtype=torch.uint8))
 
 
 def test_unpack_refuses_too_many_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     meta, buf = pack([torch.ones(1)] * 3)
-    monkeypatch.setattr(state_mod, "MAX_TENSORS", 2)
+    monkeypatch.setattr(packing, "MAX_TENSORS", 2)
     with pytest.raises(StateTransferError, match="at most 2"):
         unpack(meta, buf)
     with pytest.raises(StateTransferError, match="more than 2 tensors"):
@@ -490,7 +493,7 @@ def test_unpack_refuses_too_many_tensors(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_unpack_refuses_oversize_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
     meta, buf = pack({"w": torch.ones(2), "names": ["x" * 100] * 10})
-    monkeypatch.setattr(state_mod, "MAX_META_BYTES", len(meta) - 1)
+    monkeypatch.setattr(packing, "MAX_META_BYTES", len(meta) - 1)
     with pytest.raises(StateTransferError, match="over"):
         unpack(meta, buf)
 
@@ -517,7 +520,7 @@ def test_unpack_refuses_non_msgpack_or_foreign_metadata(meta: bytes) -> None:
 def header_bytes(**kw: Any) -> bytes:
     fields = {
         "magic": b"PHXS",
-        "version": state_mod._VERSION,
+        "version": packing.VERSION,
         "flags": 0,
         "meta_len": 10,
         "buf_len": 32,
@@ -576,7 +579,7 @@ class FakeComm:
         self.messages = list(messages)
         self.recvs: list[tuple[int, int]] = []
 
-    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> None:
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0, timeout_s: float | None = None) -> None:
         self.recvs.append((tag, t.numel()))
         data = self.messages.pop(0)
         assert len(data) == t.numel()
@@ -659,7 +662,7 @@ def test_send_recv_trainer_state_over_gloo(store: dist.TCPStore) -> None:
     sent = trainer_state()
     meta, buf = pack(sent)
 
-    def rank(comm: Communicator) -> Any:
+    def rank(comm: Group) -> Any:
         if comm.rank == 0:
             return send_state(comm, meta, buf, checksum(buf), dst=1)
         return recv_state(comm, src=0)
@@ -679,7 +682,7 @@ def test_recv_state_over_gloo_refuses_a_malformed_header_before_allocating(
 ) -> None:
     received: list[int] = []
 
-    def rank(comm: Communicator) -> Any:
+    def rank(comm: Group) -> Any:
         if comm.rank == 0:
             comm.send(
                 torch.frombuffer(bytearray(header_bytes(**kw)), dtype=torch.uint8), 1, state_mod._TAG_HEADER
@@ -687,9 +690,9 @@ def test_recv_state_over_gloo_refuses_a_malformed_header_before_allocating(
             return None
         real_recv = comm.recv
 
-        def recv(t: torch.Tensor, src: int, tag: int = 0) -> None:
+        def recv(t: torch.Tensor, src: int, tag: int = 0, timeout_s: float | None = None) -> None:
             received.append(tag)
-            real_recv(t, src, tag)
+            real_recv(t, src, tag, timeout_s)
 
         comm.recv = recv  # type: ignore[method-assign]
         return recv_state(comm, src=0)
@@ -708,16 +711,16 @@ def test_recv_state_over_gloo_refuses_a_pickle_payload(store: dist.TCPStore) -> 
     head = header_bytes(meta_len=len(evil), buf_len=16, mcrc=zlib.crc32(evil))
     received: list[int] = []
 
-    def rank(comm: Communicator) -> Any:
+    def rank(comm: Group) -> Any:
         if comm.rank == 0:
             comm.send(torch.frombuffer(bytearray(head), dtype=torch.uint8), 1, state_mod._TAG_HEADER)
             comm.send(torch.frombuffer(bytearray(evil), dtype=torch.uint8), 1, state_mod._TAG_META)
             return None
         real_recv = comm.recv
 
-        def recv(t: torch.Tensor, src: int, tag: int = 0) -> None:
+        def recv(t: torch.Tensor, src: int, tag: int = 0, timeout_s: float | None = None) -> None:
             received.append(tag)
-            real_recv(t, src, tag)
+            real_recv(t, src, tag, timeout_s)
 
         comm.recv = recv  # type: ignore[method-assign]
         return recv_state(comm, src=0)
@@ -745,7 +748,7 @@ def wsum31_reference(data: bytes) -> int:
 def test_metadata_marks_cpu_tensors_as_host() -> None:
     meta, buf = pack({"a": torch.ones(3), "b": [torch.arange(2)], "n": 1})
     doc = msgpack.unpackb(meta)
-    assert doc["v"] == state_mod._VERSION == 2
+    assert doc["v"] == packing.VERSION == 2
     assert [e[4] for e in doc["tensors"]] == [True, True]
     meta2, buf2 = pack({"a": torch.ones(3), "b": [torch.arange(2)], "n": 1}, torch.device("cpu"))
     assert meta2 == meta and torch.equal(buf2, buf)
@@ -780,12 +783,12 @@ def test_unpack_refuses_a_bad_host_flag(change: Callable[[dict[str, Any]], Any],
 def test_wsum31_matches_the_documented_formula(n: int) -> None:
     g = torch.Generator().manual_seed(n)
     buf = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-    assert checksum(buf, kind=state_mod.WSUM31) == wsum31_reference(bytes(buf.tolist()))
-    assert checksum(buf, kind=state_mod.CRC32) == zlib.crc32(bytes(buf.tolist())) == checksum(buf)
+    assert checksum(buf, kind=packing.WSUM31) == wsum31_reference(bytes(buf.tolist()))
+    assert checksum(buf, kind=packing.CRC32) == zlib.crc32(bytes(buf.tolist())) == checksum(buf)
 
 
 def test_wsum31_over_many_chunks_and_unaligned_views(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(state_mod, "_WSUM_CHUNK", 4)  # 4 words a step: many steps, same sum
+    monkeypatch.setattr(packing, "_WSUM_CHUNK", 4)  # 4 words a step: many steps, same sum
     g = torch.Generator().manual_seed(1)
     big = torch.randint(0, 256, (1001,), dtype=torch.uint8, generator=g)
     big[:64] = 255  # words of 0xFFFFFFFF: the largest products
@@ -812,8 +815,8 @@ def test_wsum31_depends_on_word_order() -> None:
 
 
 def test_checksum_kinds_and_defaults() -> None:
-    assert state_mod.default_checksum_kind(torch.device("cpu")) == "crc32"
-    assert state_mod.default_checksum_kind(torch.device("cuda", 0)) == "wsum31"
+    assert packing.default_checksum_kind(torch.device("cpu")) == "crc32"
+    assert packing.default_checksum_kind(torch.device("cuda", 0)) == "wsum31"
     with pytest.raises(ValueError, match="unknown checksum kind"):
         checksum(torch.zeros(4, dtype=torch.uint8), kind="md5")
     with pytest.raises(ValueError, match="unknown checksum kind"):
@@ -832,7 +835,7 @@ def test_send_recv_state_with_either_checksum_over_gloo(store: dist.TCPStore, ki
     sent = trainer_state()
     meta, buf = pack(sent)
 
-    def rank(comm: Communicator) -> Any:
+    def rank(comm: Group) -> Any:
         if comm.rank == 0:
             return send_state(comm, meta, buf, checksum(buf, kind), 1, kind=kind)
         return recv_state(comm, src=0)
@@ -849,7 +852,7 @@ def test_recv_state_verifies_with_the_kind_the_header_names(store: dist.TCPStore
     receiver verifies with the kind the header names, not the one it would pick."""
     meta, buf = pack(nested_state())
 
-    def rank(comm: Communicator) -> Any:
+    def rank(comm: Group) -> Any:
         if comm.rank == 0:
             return send_state(comm, meta, buf, checksum(buf, "wsum31"), 1, kind="crc32")
         return recv_state(comm, src=0)
@@ -929,7 +932,7 @@ def test_send_recv_state_over_nccl(store: dist.TCPStore) -> None:
             dev = torch.device("cuda", r)
             client = connect_store(f"127.0.0.1:{store.port}")
             arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
-            comm = Communicator(client, prefix, r, 2, timeout_s=JOIN_S, device=dev)
+            comm = Group(client, prefix, r, 2, timeout_s=JOIN_S, device=dev)
             try:
                 if r == 0:
                     meta, buf = pack(sent, dev)

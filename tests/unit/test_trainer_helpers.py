@@ -138,18 +138,20 @@ def test_collective_bound_is_learned_from_recent_all_reduces(monkeypatch: pytest
         monkeypatch.delenv(name, raising=False)
     t = _trainer()
     assert t.session.collective_bound_s() == 60.0  # nothing completed in this generation yet
-    t.session._collective_ms.extend([10.0, 120.0, 30.0])
+    for ms in (10.0, 120.0, 30.0):
+        t.session.record_collective(ms)
     assert t.session.collective_bound_s() == 2.0  # the floor: 4 x 120 ms is less
-    t.session._collective_ms.append(900.0)
+    t.session.record_collective(900.0)
     assert t.session.collective_bound_s() == pytest.approx(3.6)  # 4 x the slowest recent one
-    t.session._collective_ms.extend([1.0] * 20)  # the slow one slid out of the window
+    for _ in range(20):  # the slow one slides out of the window
+        t.session.record_collective(1.0)
     assert t.session.collective_bound_s() == 2.0
     monkeypatch.setenv("PHALANX_COLLECTIVE_FLOOR_MS", "500")
     monkeypatch.setenv("PHALANX_COLLECTIVE_FACTOR", "10")
     monkeypatch.setenv("PHALANX_COLLECTIVE_INITIAL_MS", "300000")
     t = _trainer(collective_timeout_s=90.0)
     assert t.session.collective_bound_s() == 90.0  # never above the backstop
-    t.session._collective_ms.append(80.0)
+    t.session.record_collective(80.0)
     assert t.session.collective_bound_s() == pytest.approx(0.8)
     monkeypatch.setenv("PHALANX_COLLECTIVE_FACTOR", "0")
     with pytest.raises(ValueError, match="PHALANX_COLLECTIVE_FACTOR"):

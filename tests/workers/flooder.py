@@ -24,10 +24,10 @@ from pathlib import Path
 import nats
 from nats.aio.msg import Msg
 
-from phalanx.bus._connection import inbox_prefix
-from phalanx.proto import subject_matches as matches
-from phalanx.schemas import Plan
-from phalanx.schemas.codec import decode
+from phalanx.contract import Plan
+from phalanx.contract.codec import decode
+from phalanx.contract.permissions import inbox_prefix
+from phalanx.contract.proto import subject_matches as matches
 
 
 def targets(allow: list[str], deny: list[str]) -> list[str]:

@@ -4,8 +4,8 @@ real heartbeats, no torch.
 A training thread alternates COMPUTE and COLLECTIVE for ``--step-ms`` per step
 (sleeping: the heartbeat loop does not depend on the GIL being free of compute),
 while the asyncio loop publishes heartbeats with
-:class:`phalanx.runtime.heartbeat.HeartbeatPublisher` from a shared
-:class:`phalanx.runtime.status.RankStatus`, like a real rank's bus thread.
+:class:`phalanx.worker.heartbeat.HeartbeatPublisher` from a shared
+:class:`phalanx.worker.status.RankStatus`, like a real rank's bus thread.
 
 - ``--stall-after N``: after N steps the training thread blocks forever in
   ``--stall-phase`` (``compute``: a stalled rank; ``collective``: a victim waiting
@@ -15,7 +15,7 @@ while the asyncio loop publishes heartbeats with
 - ``--idle``: a hot spare (rank -1, phase IDLE);
 - SIGSTOP freezes everything (heartbeats stop); SIGTERM exits 0;
 - with ``PHALANX_HEARTBEAT_SOCKET`` set (a launcher's, or a test's
-  :class:`~phalanx.runtime.digest.NodeDigestPublisher`) heartbeats go to that unix
+  :class:`~phalanx.worker.digest.NodeDigestPublisher`) heartbeats go to that unix
   socket and reach the detector in the node's digest, as under ``phalanx run``.
 
 Prints ``ready <pid>`` once its first heartbeat is out. Job and worker default to
@@ -35,10 +35,10 @@ import threading
 import time
 
 from phalanx.bus import Bus
+from phalanx.contract import Phase
 from phalanx.runtime.faults import FaultPlan
-from phalanx.runtime.heartbeat import HeartbeatPublisher
-from phalanx.runtime.status import RankStatus
-from phalanx.schemas import Phase
+from phalanx.worker.heartbeat import HeartbeatPublisher
+from phalanx.worker.status import RankStatus
 
 
 def parse() -> argparse.Namespace:

@@ -21,7 +21,7 @@ heartbeat for :data:`MISSED_HEARTBEATS` intervals ends the watch with
 :class:`WatchLost`. The caller starts a new one, which replays the latest value:
 all a follower of one record needs::
 
-    watch = await KeyWatch.start(bus.nc, JOBS_BUCKET, "j1.plan")
+    watch = await (await bus.kv.bucket(JOBS_BUCKET)).watch("j1.plan")
     try:
         async for entry in watch:
             ...
@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import dataclass
 
 import nats.errors
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, ServiceUnavailableError
-from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
+from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE
 
 JS_API = "$JS.API"
 MISSED_HEARTBEATS = 3
@@ -54,9 +54,19 @@ class WatchLost(Exception):
     """The watch may have missed a value: start a new one (it replays the latest)."""
 
 
-def _operation(msg: Msg) -> str | None:
+@dataclass(frozen=True)
+class KvEntry:
+    """One value of a key (``operation`` ``DEL``/``PURGE``: a deletion, value empty)."""
+
+    key: str
+    value: bytes
+    revision: int
+    operation: str | None = None
+
+
+def entry_operation(headers: dict[str, str] | None) -> str | None:
     """``DEL`` / ``PURGE`` for a deletion (a client's or the server's marker), else None."""
-    headers = msg.headers or {}
+    headers = headers or {}
     if KV_OP in headers:
         return headers[KV_OP]
     reason = headers.get(KV_MARKER_REASON)
@@ -126,7 +136,7 @@ class KeyWatch:
     def __aiter__(self) -> KeyWatch:
         return self
 
-    async def __anext__(self) -> KeyValue.Entry:
+    async def __anext__(self) -> KvEntry:
         """The next value (or deletion: ``operation`` set) of the key, as it arrives."""
         while True:
             try:
@@ -155,15 +165,7 @@ class KeyWatch:
                     f"{self.bucket}/{self.key}: delivery {meta.sequence.consumer} after {self._delivered}"
                 )
             self._delivered = meta.sequence.consumer
-            return KeyValue.Entry(
-                bucket=self.bucket,
-                key=self.key,
-                value=msg.data,
-                revision=meta.sequence.stream,
-                delta=meta.num_pending,
-                created=None,
-                operation=_operation(msg),
-            )
+            return KvEntry(self.key, msg.data, meta.sequence.stream, entry_operation(msg.headers))
 
     async def stop(self) -> None:
         """Unsubscribe; the server removes the consumer once it has had no interest for ``inactive_s``."""

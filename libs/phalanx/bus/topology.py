@@ -14,7 +14,7 @@ watches it.
 so no publisher -- one rank's credentials included -- can fill the server's store:
 
 - ``max_msg_size``: what the largest real message needs. An event is at most a
-  node's :class:`~phalanx.schemas.StepStats` (~60 B per step record) or an error
+  node's :class:`~phalanx.contract.StepStats` (~60 B per step record) or an error
   text of 4000 characters: 64 KiB. A plan is ~55 B per rank (900 KB for 16k
   ranks, measured with msgpack), so PHALANX_CMD takes 4 MiB; a job record in
   ``phalanx_jobs`` (plan and planner state) is ~100 B per rank (1.6 MB for 16k
@@ -46,54 +46,37 @@ the detector's verdicts and the checkpoint catalog cannot be starved.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from dataclasses import asdict, dataclass
 
 import nats.errors
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 from nats.js.kv import KeyValue
 
-from phalanx.settings import get_settings
+from phalanx.bus.keywatch import entry_operation
+from phalanx.bus.streams import read_to_end
+from phalanx.contract.streams import (
+    BUCKET_HISTORY,
+    BUCKETS,
+    CKPT_BUCKET,
+    CLUSTER_BUCKET,
+    CMD_MAX_MSGS_PER_SUBJECT,
+    COMMANDS,
+    DIRECT_BUCKETS,
+    DUPLICATE_WINDOW_S,
+    ERRORS,
+    EVENTS,
+    JOBS_BUCKET,
+    SCHED,
+    SCHED_MAX_MSGS_PER_SUBJECT,
+    STREAMS,
+    StreamSpec,
+)
+from phalanx.settings import StreamSettings, load
 from phalanx.telemetry import get_logger
 
-DUPLICATE_WINDOW_S = 120.0
-
 _log = get_logger(component="topology")
-
-
-@dataclass(frozen=True)
-class StreamSpec:
-    name: str
-    subjects: tuple[str, ...]
-    max_age_s: float
-    description: str
-    max_msg_size: int = 64 << 10  # see the module docstring
-
-
-EVENTS = StreamSpec("PHALANX_EVT", ("phalanx.evt.>",), 7 * 86400, "Job events")
-COMMANDS = StreamSpec("PHALANX_CMD", ("phalanx.cmd.>",), 7 * 86400, "Plans and job specs", 4 << 20)
-SCHED = StreamSpec("PHALANX_SCHED", ("phalanx.sched.>",), 86400, "Scheduler signals")
-ERRORS = StreamSpec("PHALANX_ERR", ("phalanx.err.>",), 7 * 86400, "Refused input")
-STREAMS = (EVENTS, COMMANDS, SCHED, ERRORS)
-# Plans: a job's newest 256 generations (and each node's spec); nothing else there.
-CMD_MAX_MSGS_PER_SUBJECT = 256
-# Signals are re-read from the stream's start at every election: keep a day's worth of
-# one cluster's (max_age), a signal every ~9 s; only the scheduler publishes there.
-SCHED_MAX_MSGS_PER_SUBJECT = 10_000
-
-JOBS_BUCKET = "phalanx_jobs"
-CLUSTER_BUCKET = "phalanx_cluster"
-CKPT_BUCKET = "phalanx_ckpt"  # every checkpoint copy's state, per tier (phalanx.checkpoint.catalog)
-BUCKETS = (JOBS_BUCKET, CLUSTER_BUCKET, CKPT_BUCKET)
-# Read with direct gets, whose API subject names the key (``$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>``):
-# what lets a job's users be allowed their own record only (phalanx.natsauth). Direct gets may be answered
-# by a follower that is behind (no read-your-writes): who compare-and-sets reads through leader_bucket().
-DIRECT_BUCKETS = (JOBS_BUCKET,)
-BUCKET_HISTORY = 16
 
 
 @dataclass(frozen=True)
@@ -107,7 +90,7 @@ class Limits:
 
 def stream_limits(spec: StreamSpec) -> Limits:
     """``spec``'s limits: byte sizes and per-subject counts from the settings."""
-    s = get_settings()
+    s = load(StreamSettings)
     max_bytes, per_subject = {
         EVENTS.name: (s.evt_max_bytes, s.evt_max_msgs_per_subject),
         COMMANDS.name: (s.cmd_max_bytes, CMD_MAX_MSGS_PER_SUBJECT),
@@ -119,13 +102,13 @@ def stream_limits(spec: StreamSpec) -> Limits:
 
 def bucket_limits(bucket: str) -> Limits:
     """``bucket``'s limits (a value is a message; per key: :data:`BUCKET_HISTORY`)."""
-    s = get_settings()
+    s = load(StreamSettings)
     max_bytes = {
         JOBS_BUCKET: s.jobs_kv_max_bytes,
         CLUSTER_BUCKET: s.cluster_kv_max_bytes,
         CKPT_BUCKET: s.ckpt_kv_max_bytes,
     }[bucket]
-    return Limits(max_bytes, s.kv_max_value_size, BUCKET_HISTORY)
+    return Limits(max_bytes, s.kv_max_value_bytes, BUCKET_HISTORY)
 
 
 def account_max_file(replicas: int = 1) -> int:
@@ -140,7 +123,7 @@ def account_max_file(replicas: int = 1) -> int:
 
 def stream_replicas() -> int:
     """Replicas of each stream and bucket: ``PHALANX_STREAM_REPLICAS`` (1); 3 on a 3-node cluster."""
-    return get_settings().stream_replicas
+    return load(StreamSettings).stream_replicas
 
 
 async def ensure_bucket(js: JetStreamContext, bucket: str, replicas: int | None = None) -> KeyValue:
@@ -244,19 +227,8 @@ async def _limit_bucket(js: JetStreamContext, bucket: str) -> None:
 async def kv_latest(
     js: JetStreamContext, bucket: str, pattern: str = ">", timeout_s: float = 5.0
 ) -> dict[str, bytes]:
-    """The current value of every key of ``bucket`` matching ``pattern`` (deleted keys left out).
-
-    Not ``KeyValue.keys()`` or a watch's first ``None``: nats.py decides "caught up" from
-    consumer info that can be read before the first deliveries are, so that ``None`` may
-    come ahead of the entries, and a planner taking over would see no jobs. This reads
-    until the message the server sent with nothing pending after it, and takes "nothing
-    there" only from consumer info that shows nothing pending *and* nothing delivered::
-
-        plans = await kv_latest(bus.js, JOBS_BUCKET, "*.plan")
-
-    Raises ``TimeoutError`` when the entries stop coming before the last one (a partial
-    view is never returned as the whole).
-    """
+    """The current value of every key of ``bucket`` matching ``pattern`` (deleted keys left
+    out): what :meth:`phalanx.bus.kv.Bucket.latest` returns (read it through that)."""
     prefix = f"$KV.{bucket}."
     sub = await js.subscribe(
         prefix + pattern,
@@ -266,55 +238,10 @@ async def kv_latest(
         inactive_threshold=60.0,
     )
     out: dict[str, bytes] = {}
-    for msg in await _caught_up(sub, f"{bucket} keys matching {pattern!r}", timeout_s):
-        headers = msg.headers or {}
+    for msg in await read_to_end(sub, f"{bucket} keys matching {pattern!r}", timeout_s):
         key = msg.subject[len(prefix) :]
-        if headers.get("KV-Operation") in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
-            out.pop(key, None)
-        else:
+        if entry_operation(msg.headers) is None:
             out[key] = msg.data
+        else:
+            out.pop(key, None)
     return out
-
-
-async def _caught_up(sub: JetStreamContext.PushSubscription, what: str, timeout_s: float) -> list[Msg]:
-    """Every message of an ordered consumer up to the one the server sent with nothing
-    pending after it (then unsubscribes); ``[]`` only when consumer info shows nothing
-    pending *and* nothing delivered; ``TimeoutError`` when they stop coming before that."""
-    try:
-        info = await sub.consumer_info()
-        if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
-            return []
-        out: list[Msg] = []
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=timeout_s)
-            except nats.errors.TimeoutError:
-                raise TimeoutError(f"read {len(out)} of {what}, then nothing for {timeout_s}s") from None
-            out.append(msg)
-            if msg.metadata.num_pending == 0:
-                return out
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.shield(sub.unsubscribe())
-
-
-async def stream_history(
-    js: JetStreamContext, subject: str, timeout_s: float = 5.0, *, stream: str | None = None
-) -> list[Msg]:
-    """Every message a stream holds on ``subject`` (wildcards allowed), oldest first,
-    up to the last one there when called: a job's decisions, recoveries, steps::
-
-        decisions = await stream_history(bus.js, DECISION.format(job="j1"))
-
-    Read the way :func:`kv_latest` reads (until the message sent with nothing pending
-    after it; "nothing there" only when the consumer shows nothing pending and nothing
-    delivered); ``TimeoutError`` when messages stop coming before the last one.
-    """
-    sub = await js.subscribe(
-        subject,
-        stream=stream,
-        ordered_consumer=True,
-        deliver_policy=DeliverPolicy.ALL,
-        inactive_threshold=60.0,
-    )
-    return await _caught_up(sub, f"the messages on {subject}", timeout_s)

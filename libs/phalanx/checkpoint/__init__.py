@@ -13,9 +13,9 @@ the same tiers.
 from typing import TYPE_CHECKING, Any
 
 from phalanx.checkpoint.manifest import Manifest, ManifestError
-from phalanx.checkpoint.retention import RetentionPolicy
 from phalanx.checkpoint.slots import node_name, shm_root
 from phalanx.checkpoint.tiers import Tier
+from phalanx.settings import RetentionPolicy
 
 if TYPE_CHECKING:
     from phalanx.checkpoint.client import Checkpointer, CheckpointInfo, Loaded, NoCheckpoint

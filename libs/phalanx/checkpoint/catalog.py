@@ -20,14 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgpack
-from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
-from nats.js.kv import KeyValue
 
-from phalanx.bus import Bus
-from phalanx.bus.topology import CKPT_BUCKET, ensure_bucket, kv_latest
+from phalanx.bus import Bucket, Bus
 from phalanx.checkpoint.manifest import Manifest, ManifestError
 from phalanx.checkpoint.tiers import Tier, step_key
+from phalanx.contract.streams import CKPT_BUCKET
 from phalanx.telemetry import get_logger
 
 SHARED_NODE = "-"
@@ -64,24 +61,21 @@ class Entry:
 
 
 class Catalog:
-    def __init__(self, js: JetStreamContext, kv: KeyValue) -> None:
-        self.js, self.kv = js, kv
+    def __init__(self, kv: Bucket) -> None:
+        self.kv = kv
 
     @classmethod
     async def open(cls, bus: Bus) -> Catalog:
-        return cls(bus.js, await ensure_bucket(bus.js, CKPT_BUCKET))
+        return cls(await bus.kv.bucket(CKPT_BUCKET, create=True))
 
     async def put_manifest(self, m: Manifest) -> None:
-        await self.kv.put(f"{m.job}.{step_key(m.step)}.manifest", m.encode())
+        await self.kv.put(f"{m.job}.{step_key(m.step)}.manifest", m)
 
     async def manifest(self, job: str, step: int) -> Manifest | None:
         """The manifest committed for ``job@step`` (None: none, deleted, or unreadable: logged)."""
         key = f"{job}.{step_key(step)}.manifest"
-        try:
-            entry = await self.kv.get(key)
-        except KeyNotFoundError:
-            return None
-        if not entry.value:
+        entry = await self.kv.get(key)
+        if entry is None or not entry.value:
             return None
         try:
             return Manifest.parse(entry.value, f"{CKPT_BUCKET}/{key}")
@@ -96,16 +90,10 @@ class Catalog:
         await self.kv.put(f"{job}.{step_key(step)}.{tier.value}.{node}", value)
 
     async def forget(self, job: str, step: int, tier: Tier, node: str) -> None:
-        try:
-            await self.kv.delete(f"{job}.{step_key(step)}.{tier.value}.{node}")
-        except KeyNotFoundError:
-            pass
+        await self.kv.delete(f"{job}.{step_key(step)}.{tier.value}.{node}")
 
     async def forget_manifest(self, job: str, step: int) -> None:
-        try:
-            await self.kv.delete(f"{job}.{step_key(step)}.manifest")
-        except KeyNotFoundError:
-            pass
+        await self.kv.delete(f"{job}.{step_key(step)}.manifest")
 
     async def register_keeper(self, node: str, addr: str) -> None:
         await self.kv.put(f"=keeper.{node}", msgpack.packb({"addr": addr, "at": time.time()}))
@@ -161,5 +149,5 @@ class Catalog:
 
     async def _scan(self, pattern: str, raw: bool = False) -> dict[str, Any]:
         """The current value of every key matching ``pattern``."""
-        values = await kv_latest(self.js, CKPT_BUCKET, pattern)
+        values = await self.kv.latest(pattern)
         return values if raw else {k: msgpack.unpackb(v, raw=False) for k, v in values.items()}

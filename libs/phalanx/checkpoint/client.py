@@ -35,9 +35,9 @@ import torch
 
 import phalanx.checkpoint.wire as wire
 from phalanx.checkpoint.manifest import Manifest
+from phalanx.checkpoint.packing import Packing, unpack
 from phalanx.checkpoint.slots import SlotsBusy, SnapshotSlots, Written, node_name, shm_root
-from phalanx.runtime.state import Packing, unpack
-from phalanx.settings import get_settings
+from phalanx.settings import RankSettings, load
 from phalanx.telemetry import get_logger
 
 
@@ -85,7 +85,7 @@ class Checkpointer:
         timeout_s: float = 600.0,
     ) -> None:
         self.job = job
-        settings = get_settings()
+        settings = load(RankSettings)
         self.node = node or settings.keeper_node or node_name()
         self.worker = worker or settings.worker or f"pid{os.getpid()}"
         self.root = root or shm_root()
@@ -98,7 +98,7 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------------
     def save(self, state: Any, step: int) -> Written | None:
-        """Put ``state`` (what :func:`phalanx.runtime.state.pack` takes: a model's and an
+        """Put ``state`` (what :func:`phalanx.checkpoint.packing.pack` takes: a model's and an
         optimizer's ``state_dict``, ints, strings...) in shared memory as checkpoint ``step``.
 
         Returns once the copy is in memory (it outlives this process, not the node);

@@ -100,7 +100,7 @@ class Manifest(BaseModel):
     """One checkpoint: ``job`` at optimizer ``step``, taken on node ``origin``.
 
     ``kind`` is ``snapshot`` (one ``state.phx`` file, the buffer of
-    :func:`phalanx.runtime.state.pack`, whose layout is ``meta``) or ``dcp`` (the
+    :func:`phalanx.checkpoint.packing.pack`, whose layout is ``meta``) or ``dcp`` (the
     files ``torch.distributed.checkpoint`` wrote).
     """
 

@@ -46,7 +46,7 @@ from typing import Any
 import msgpack
 
 import phalanx.checkpoint.wire as wire
-from phalanx.settings import Settings, SettingsError
+from phalanx.settings import KeeperSettings, SettingsError
 
 MIN_KEY_BYTES = 32
 HELLO_MAX = 1024  # bytes in a frame before the peer is authenticated
@@ -58,7 +58,7 @@ class AuthError(wire.WireError):
     """The other side does not know the key, or broke the handshake."""
 
 
-def load_key(settings: Settings) -> bytes:
+def load_key(settings: KeeperSettings) -> bytes:
     """The keeper key from ``PHALANX_KEEPER_KEY`` or ``PHALANX_KEEPER_KEY_FILE``;
     :class:`SettingsError` naming what to set when there is none or it is short."""
     if settings.keeper_key is not None and settings.keeper_key_file is not None:

@@ -20,7 +20,7 @@ A slot file::
     32   data offset u64 (4096-aligned, after the metadata)
     40   data length u64
     48   written at (unix time) f64
-    64   the metadata of :func:`phalanx.runtime.state.pack` (msgpack)
+    64   the metadata of :func:`phalanx.checkpoint.packing.pack` (msgpack)
     ...  the data
 
 A slot survives its rank (tmpfs outlives processes), not its node.
@@ -53,12 +53,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import phalanx.checkpoint.paths as paths
-from phalanx.settings import get_settings
+from phalanx.settings import NodeSettings, load
 
 if TYPE_CHECKING:  # the keeper runs without torch; a rank has it
     import torch
 
-    from phalanx.runtime.state import Packing
+    from phalanx.checkpoint.packing import Packing
 
 MAGIC = b"PHXSLOT1"
 _HEAD = struct.Struct("<8sIIQqQQd")
@@ -84,13 +84,13 @@ def _page_up(n: int) -> int:
 
 def node_name() -> str:
     """This node's name, as the keeper and the launcher use it (letters, digits, '_' and '-')."""
-    raw = get_settings().node or socket.gethostname()
+    raw = load(NodeSettings).node or socket.gethostname()
     return re.sub(r"[^A-Za-z0-9_-]", "_", raw)[:48] or "node"
 
 
 def shm_root() -> Path:
     """Where ranks and keepers share memory: ``PHALANX_SHM_ROOT``, else /dev/shm/phalanx."""
-    return get_settings().shm_root
+    return load(NodeSettings).shm_root
 
 
 def slot_dir(shm_root: Path, node: str, job: str) -> Path:

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from phalanx.bus import Bus
 from phalanx.bus.probe import Unreachable, probe
-from phalanx.settings import Settings, SettingsError, get_settings
+from phalanx.settings import CliSettings, PhalanxSettings, SettingsError, load
 
 console = Console(highlight=False, soft_wrap=True)  # one-line messages stay one line
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -33,10 +33,14 @@ class Failed(click.ClickException):
         err_console.print(f"[bold red]{self.prog}:[/] {self.format_message()}", soft_wrap=True)
 
 
-def settings() -> Settings:
-    """This process's settings; a malformed ``PHALANX_*`` value is a :class:`Failed`."""
+def settings(*started: type[PhalanxSettings]) -> CliSettings:
+    """The command's settings; ``started`` are the models of the processes the command
+    starts, read too so that a bad value stops it before anything starts. A malformed
+    ``PHALANX_*`` value is a :class:`Failed`."""
     try:
-        return get_settings()
+        for model in started:
+            load(model)
+        return load(CliSettings)
     except SettingsError as exc:
         raise Failed(str(exc)) from None
 
@@ -58,7 +62,7 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0) -> Bus:
             "or point NATS_URL at a running one."
         ) from None
     try:
-        return await asyncio.wait_for(Bus.connect(url, name=name), timeout_s)
+        return await asyncio.wait_for(Bus.connect(url, name=name, report_errors=False), timeout_s)
     except TimeoutError:
         raise Failed(
             f"the NATS server at {url} answered but did not accept a client in {timeout_s:g} s"

@@ -80,7 +80,7 @@ def report_command(job: str, output: Path, spans: Path | None, jaeger: str | Non
         url = server_url()
         bus = await connect(url, name=f"phalanx-report-{job}")
         try:
-            return await load_run(bus.js, job, spans=found)
+            return await load_run(bus, job, spans=found)
         finally:
             await bus.close()
 

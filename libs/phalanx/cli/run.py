@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import click
 from pydantic import ValidationError
 
+from phalanx.bus.credentials import ENV_NATS_ENV_FILE, read_env_file
 from phalanx.cli._common import (
     REQUIRED_SERVICES,
     Failed,
@@ -30,11 +31,11 @@ from phalanx.cli._common import (
     server_url,
     settings,
 )
-from phalanx.natsauth import ENV_NATS_ENV_FILE, read_env_file
-from phalanx.schemas import Elastic, LrRule
+from phalanx.contract import Elastic, LrRule
+from phalanx.settings import LauncherSettings, RankSettings
 
 if TYPE_CHECKING:  # imports torch: only when a job is launched
-    from phalanx.runtime.launcher import LaunchConfig
+    from phalanx.launcher.launcher import LaunchConfig
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -91,7 +92,7 @@ def elastic_settings(
 @contextlib.contextmanager
 def _private_control_plane(job: str, workdir: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """A nats-server and the four services for this run only; yields (url, worker env)."""
-    from phalanx.localstack import LocalStack
+    from phalanx.devstack.localstack import LocalStack
 
     stack = LocalStack(workdir, env={"PHALANX_SPAN_FILE": str(settings().span_file.resolve())})
     err_console.print(
@@ -123,7 +124,7 @@ def _plain_default_available() -> bool:
 
 def launch(config: LaunchConfig, timeout_s: float | None, private: bool, workdir: Path) -> int:
     """Check the control plane (or start a private one), then run the launcher to its end."""
-    from phalanx.runtime.launcher import LaunchError, run
+    from phalanx.launcher.launcher import LaunchError, run
     from phalanx.telemetry import setup_logging, setup_tracing, shutdown_tracing
 
     with contextlib.ExitStack() as stack:
@@ -302,7 +303,7 @@ def run_command(
     restart. Fails within seconds, saying what to start, when the control plane is
     not there.
     """
-    from phalanx.runtime.launcher import LaunchConfig
+    from phalanx.launcher.launcher import LaunchConfig
 
     if not cmd:
         raise Failed("give the training command after --, e.g. `phalanx run --nproc 2 -- python train.py`")
@@ -323,7 +324,8 @@ def run_command(
             os.environ.update(read_env_file(env_file))
         except (OSError, ValueError) as exc:
             raise Failed(f"{ENV_NATS_ENV_FILE}={env_file}: {exc}") from None
-    explicit = bool(rdzv_endpoint) or "nats_url" in settings().model_fields_set
+    # this process runs the launcher, which starts the ranks with this environment
+    explicit = bool(rdzv_endpoint) or "nats_url" in settings(LauncherSettings, RankSettings).model_fields_set
     private = not explicit and not _plain_default_available()
     if private and max_nodes > 1:
         raise Failed(

@@ -24,18 +24,16 @@ from rich.live import Live
 from rich.table import Table
 
 from phalanx.cli._common import Failed, connect, console, server_url, settings
-from phalanx.schemas import HealthReply
+from phalanx.contract import HealthReply
+from phalanx.services import SERVICE_MODULES
+from phalanx.settings import DetectorSettings, KeeperSettings, PlannerSettings, SchedulerSignalSettings
 
 if TYPE_CHECKING:  # both import torch: only when the command runs
+    from phalanx.devstack.localstack import LocalStack
     from phalanx.jobstatus import JobSummary
-    from phalanx.localstack import LocalStack
 
-SERVICES = {
-    "failure-detector": "phalanx.services.failure_detector",
-    "scheduler-signal": "phalanx.services.scheduler_signal",
-    "elasticity-planner": "phalanx.services.elasticity_planner",
-    "state-replication": "phalanx.services.state_replication",
-}
+SERVICE_SETTINGS = (DetectorSettings, SchedulerSignalSettings, PlannerSettings, KeeperSettings)
+"""The settings models of the four services (:mod:`phalanx.settings`)."""
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
@@ -185,9 +183,9 @@ def up_command(
     Ctrl-C (or SIGTERM) stops everything this command started.
     """
     from phalanx.bus.probe import Unreachable, probe
-    from phalanx.localstack import LocalStack
+    from phalanx.devstack.localstack import LocalStack
 
-    settings()
+    settings(*SERVICE_SETTINGS)  # the four services start here: a bad value of any stops them all
     url = f"nats://{host}:{port}"
     with contextlib.suppress(Unreachable):
         asyncio.run(probe(url, timeout_s=1.0))
@@ -196,7 +194,7 @@ def up_command(
         )
     env = {
         name: {"PHALANX_METRICS_PORT": str(metrics_port + i if metrics_port else 0)}
-        for i, name in enumerate(SERVICES)
+        for i, name in enumerate(SERVICE_MODULES)
     }
     t = time.monotonic()
     # the services' spans go where this machine's ranks write theirs (PHALANX_SPAN_FILE, by
@@ -245,7 +243,7 @@ def up_command(
 )
 def nats_command(host: str, port: int, store: Path) -> int:
     """Run an embedded nats-server with JetStream until SIGTERM/SIGINT; prints its URL when ready."""
-    from phalanx.natsserver import NatsServer, NatsServerError
+    from phalanx.devstack.natsserver import NatsServer, NatsServerError
 
     stop = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # delivered to sigwait, not fatal
@@ -262,17 +260,17 @@ def nats_command(host: str, port: int, store: Path) -> int:
 
 
 @click.command("service")
-@click.argument("name", type=click.Choice(sorted(SERVICES)))
+@click.argument("name", type=click.Choice(sorted(SERVICE_MODULES)))
 def service_command(name: str) -> int:
     """Run one service in the foreground (NATS_URL says where the bus is)."""
     settings()
-    sys.argv = [SERVICES[name]]
-    runpy.run_module(SERVICES[name], run_name="__main__", alter_sys=True)
+    sys.argv = [SERVICE_MODULES[name]]
+    runpy.run_module(SERVICE_MODULES[name], run_name="__main__", alter_sys=True)
     return 0
 
 
 @click.command("health")
-@click.argument("name", type=click.Choice(sorted(SERVICES)))
+@click.argument("name", type=click.Choice(sorted(SERVICE_MODULES)))
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),

@@ -1,4 +1,4 @@
-"""The runtime a training rank embeds: heartbeats, plans, recovery, state, data.
+"""The runtime a training rank embeds: the communicator, recovery, state transfer, data.
 
 What a training script needs is importable from here (loaded on first use, so
 that services importing a helper of this package do not import torch)::

@@ -1,5 +1,17 @@
-"""One generation's communicator: a gloo process group over the job's store, and
-an NCCL backend beside it when the job trains on CUDA.
+"""A rank's communicator: one object for the process's whole life
+(:class:`Communicator`), re-pointed at each generation's process group by
+:meth:`Communicator.configure`; that group (:class:`Group`) is gloo over the
+job's store, with an NCCL backend beside it when the job trains on CUDA.
+
+The training loops (the Trainer, the user's DDP loop through its comm hook) hold
+the :class:`Communicator` from start to end and never a generation's group, so
+nothing of theirs is rebuilt when a generation changes. Every operation it runs
+carries a bound the caller gives (the rendezvous', the state transfer's, each
+gradient all-reduce's; :mod:`phalanx.runtime.session` picks them): a peer hung
+inside any of them costs its partners that bound, and they leave the phase so
+the detector can tell the hung one (the shape of torchft's reconfigurable
+process group, without a process-group subclass: Phalanx's collectives all go
+through this class).
 
 The store is a long-lived ``TCPStore`` hosted by the launcher (never by a
 training rank, which could die with it). Each generation gets its own
@@ -28,19 +40,20 @@ metadata, barriers). With a CUDA ``device`` a ``ProcessGroupNCCL`` is registered
 on the same ``ProcessGroup`` for CUDA tensors, so each collective goes where
 its tensor lives: gradients and state buffers over NCCL, the rest over gloo.
 The NCCL communicator is built eagerly, on ``device``, when the
-``Communicator`` is (its cost shows in ``comm_init``, not in the first step).
+``Group`` is (its cost shows in ``comm_init``, not in the first step).
 
-Teardown, gloo: by dropping references (:meth:`Communicator.destroy`): the
+Teardown, gloo: by dropping references (:meth:`Group.destroy`): the
 gloo destructor closes its TCP pairs, which makes every peer still blocked in a
 collective fail with "Connection closed by peer" within tens of ms (the cascade
-measured in notes/inprocess-recovery.md). gloo has no working abort for an
-in-flight op (notes §2), so every collective also carries a per-op timeout as a
-backstop, and :meth:`Communicator.abort` on gloo only marks the communicator
-aborted: the op in flight still ends by the cascade or its timeout, then fails.
+measured in docs/recovery.md, "What gloo does when a peer dies"). gloo has no
+working abort for an in-flight op (same section), so every collective also
+carries a per-op timeout as a backstop, and :meth:`Group.abort` on gloo
+only marks the communicator aborted: the op in flight still ends by the cascade
+or its timeout, then fails.
 
-Teardown, NCCL: :meth:`Communicator.abort` calls the backend's abort
+Teardown, NCCL: :meth:`Group.abort` calls the backend's abort
 (``ncclCommAbort``), from any thread; a collective blocked in another thread
-then returns and fails with :class:`CommError`. :meth:`Communicator.destroy`
+then returns and fails with :class:`CommError`. :meth:`Group.destroy`
 aborts first, never a graceful shutdown that would wait for work in flight.
 
 NCCL errors must surface in the calling thread, where the runtime recovers,
@@ -60,7 +73,7 @@ environment already says otherwise (``os.environ.setdefault``):
 error handling off and make every wait (DDP's too) block the CPU. Instead each
 collective of this class waits with an explicit timeout (``work.wait(timeout)``),
 which torch implements as a blocking wait that, on timeout or error, aborts the
-communicator and raises here (:meth:`Communicator._run` turns that into
+communicator and raises here (:meth:`Group._run` turns that into
 :class:`CommError`). The heartbeat monitor stays on: if the watchdog itself
 hangs (an ``ncclCommAbort`` that never returns) it kills the process after
 ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``, which the runtime handles as a rank exit.
@@ -68,16 +81,16 @@ hangs (an ``ncclCommAbort`` that never returns) it kills the process after
 A rendezvous must be abandonable: before the group is built, every member
 announces itself under the prefix and waits for the others with
 :meth:`arrival_barrier`, which polls and gives up when ``cancelled()`` says a
-newer plan has superseded this one. (NCCL's own communicator init, which
-follows, is blocking: a member that dies inside it leaves the others waiting
-for the store or NCCL bootstrap timeouts.)
+newer plan has superseded this one. The group is then connected under its own
+bound (``connect_timeout_s``: every member has arrived, so only a member hung in
+between keeps the others waiting). (NCCL's own communicator init is blocking: a
+member that dies inside it leaves the others waiting for the NCCL bootstrap.)
 """
 
 from __future__ import annotations
 
 import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -88,8 +101,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 
-from phalanx.runtime.addr import listen_socket, split_addr
+from phalanx.contract import Plan
 from phalanx.telemetry import get_logger
+from phalanx.worker.addr import split_addr
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -114,30 +128,6 @@ def connect_store(addr: str, timeout_s: float = 30.0) -> dist.TCPStore:
     """A client of a store at ``host:port``."""
     host, port = split_addr(addr)
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
-
-
-def host_store(host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None) -> dist.TCPStore:
-    """Host a store (a launcher does this) listening on ``host`` only (``store.port``).
-
-    ``TCPStore(is_master=True)`` alone listens on every interface whatever ``host``
-    says; handing it a socket already bound to ``host`` (``sock``, or one made
-    here) keeps it on the interface the node is reached by.
-    """
-    sock = sock or listen_socket(host, port)
-    try:
-        store = dist.TCPStore(
-            host,
-            int(sock.getsockname()[1]),
-            is_master=True,
-            wait_for_workers=False,
-            use_libuv=True,
-            master_listen_fd=sock.fileno(),
-        )
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store serves on this fd from now on: Python must not close it
-    return store
 
 
 def generation_store(store: dist.Store, secret: str) -> dist.Store:
@@ -169,18 +159,22 @@ def arrival_barrier(
     """Announce ``rank`` under ``prefix`` and wait until all ``world_size`` have.
 
     Raises :class:`Superseded` when ``cancelled()`` turns true and
-    :class:`CommError` after ``timeout_s``.
+    :class:`CommError` after ``timeout_s``, or when the store fails (its host is
+    gone: the plan that named it is abandoned for a newer one).
     """
-    store.set(f"{prefix}/arrived/{rank}", str(time.time()))
     keys = [f"{prefix}/arrived/{r}" for r in range(world_size)]
     deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
-        if cancelled():
-            raise Superseded(prefix)
-        if time.monotonic() > deadline:
-            missing = [k for k in keys if not store.check([k])]
-            raise CommError(f"rendezvous {prefix}: timed out waiting for {missing}")
-        time.sleep(poll_s)
+    try:
+        store.set(keys[rank], str(time.time()))
+        while not store.check(keys):
+            if cancelled():
+                raise Superseded(prefix)
+            if time.monotonic() > deadline:
+                missing = [k for k in keys if not store.check([k])]
+                raise CommError(f"rendezvous {prefix}: timed out waiting for {missing}")
+            time.sleep(poll_s)
+    except dist.DistError as exc:  # DistNetworkError, DistStoreError: the store is unreachable
+        raise CommError(f"rendezvous {prefix}: the store failed: {_scrubbed(exc, prefix)}") from None
 
 
 def backend_for(device: torch.device) -> str:
@@ -229,7 +223,7 @@ def _nccl_backend(
     return ProcessGroupNCCL(dist.PrefixStore(f"{prefix}/nccl", store), rank, world_size, opts)
 
 
-class Communicator:
+class Group:
     """The process group of one generation, and the few collectives the runtime uses."""
 
     def __init__(
@@ -241,8 +235,14 @@ class Communicator:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         bind: str | None = None,
         device: torch.device | None = None,
+        connect_timeout_s: float | None = None,
     ) -> None:
-        """``bind``: the address gloo listens on and announces (the node's interface);
+        """``timeout_s``: the bound of an op that is given none (the backstop);
+        ``connect_timeout_s`` (default ``timeout_s``): how long connecting to the
+        members may take (gloo's own timeout, which no op here relies on: each
+        passes its bound explicitly).
+
+        ``bind``: the address gloo listens on and announces (the node's interface);
         None lets gloo pick from the hostname, as torch does by default.
 
         ``device`` (default cpu): where the training tensors live. A cuda device adds
@@ -260,14 +260,15 @@ class Communicator:
         self._lock = threading.Lock()
         self._aborted = False
         pstore = dist.PrefixStore(f"{prefix}/pg", store)
+        connect = self.timeout if connect_timeout_s is None else timedelta(seconds=connect_timeout_s)
         try:
             if bind:
                 opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-                opts._timeout = self.timeout
+                opts._timeout = connect
                 opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
                 backend = dist.ProcessGroupGloo(pstore, rank, world_size, opts)
             else:
-                backend = dist.ProcessGroupGloo(pstore, rank, world_size, self.timeout)
+                backend = dist.ProcessGroupGloo(pstore, rank, world_size, connect)
         except Exception as exc:  # DistStoreError, gloo connect errors
             raise CommError(f"building process group {prefix}: {_scrubbed(exc, prefix)}") from None
         pg = dist.ProcessGroup(pstore, rank, world_size)
@@ -310,8 +311,8 @@ class Communicator:
 
         NCCL: ``ncclCommAbort`` through the backend, which releases an op blocked in
         another thread (that op then raises :class:`CommError`). gloo cannot abort an
-        op in flight (notes §2): this only marks the communicator aborted, and the op
-        ends by the destroy cascade of a peer or its per-op timeout, then fails.
+        op in flight (docs/recovery.md): this only marks the communicator aborted, and
+        the op ends by the destroy cascade of a peer or its per-op timeout, then fails.
         """
         with self._lock:
             if self._aborted:
@@ -331,9 +332,10 @@ class Communicator:
         self._nccl = None
 
     def _run(self, what: str, fn: Callable[[], Any], wait: timedelta | None = None) -> None:
-        """Run one op to its end. ``wait``: for an NCCL op, the timeout of a blocking
-        ``work.wait`` (torch aborts the communicator and raises on expiry); gloo ops
-        wait plainly and end by their own per-op timeout."""
+        """Run one op to its end. ``wait``: the timeout of a blocking ``work.wait``
+        (for an NCCL op torch then aborts the communicator and raises; a gloo
+        send/recv raises); gloo collectives wait plainly and end by their own
+        per-op timeout."""
         work = None
         try:
             self.pg  # noqa: B018  # raises once destroyed
@@ -358,24 +360,199 @@ class Communicator:
     def _nccl_wait(self, t: torch.Tensor, timeout: timedelta) -> timedelta | None:
         return timeout if self._nccl is not None and t.device.type == "cuda" else None
 
+    def _bound(self, timeout_s: float | None) -> timedelta:
+        return timedelta(seconds=timeout_s) if timeout_s else self.timeout
+
     def allreduce_sum_(self, t: torch.Tensor, timeout_s: float | None = None) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stubs mix ReduceOp and RedOpType
-        opts.timeout = timedelta(seconds=timeout_s) if timeout_s else self.timeout
+        opts.timeout = self._bound(timeout_s)
         self._run("allreduce", lambda: self.pg.allreduce([t], opts), self._nccl_wait(t, opts.timeout))
 
-    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self._run(f"send to {dst}", lambda: self.pg.send([t], dst, tag), self._nccl_wait(t, self.timeout))
+    def allreduce_work(self, t: torch.Tensor, timeout_s: float | None = None) -> dist.Work:
+        """Start a SUM all-reduce of ``t`` under its per-op timeout; the caller waits
+        (DDP's comm hook chains on its future). Raises :class:`CommError` at once when
+        the group is gone or refuses."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        opts.timeout = self._bound(timeout_s)
+        try:
+            if self._aborted:
+                raise CommError(f"communicator {self.prefix} was aborted")
+            return self.pg.allreduce([t], opts)
+        except Exception as exc:
+            raise CommError(f"allreduce on {self.prefix} failed: {_scrubbed(exc, self.prefix)}") from None
 
-    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> None:
-        self._run(f"recv from {src}", lambda: self.pg.recv([t], src, tag), self._nccl_wait(t, self.timeout))
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0, timeout_s: float | None = None) -> None:
+        self._run(f"send to {dst}", lambda: self.pg.send([t], dst, tag), self._bound(timeout_s))
 
-    def barrier(self) -> None:
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0, timeout_s: float | None = None) -> None:
+        self._run(f"recv from {src}", lambda: self.pg.recv([t], src, tag), self._bound(timeout_s))
+
+    def barrier(self, timeout_s: float | None = None) -> None:
         opts = dist.BarrierOptions()
-        opts.timeout = self.timeout
+        opts.timeout = self._bound(timeout_s)
         if self._nccl is not None:
             opts.device = torch.device("cpu")  # over gloo, even where NCCL is the device's backend
         self._run("barrier", lambda: self.pg.barrier(opts))
+
+
+class Communicator:
+    """This rank's communicator for the whole job: :meth:`configure` re-points it at
+    a generation (its rendezvous, then its :class:`Group`), :meth:`release` drops
+    that group, and the collectives in between go to the group held, each under the
+    bound its caller gives. The training loops hold this object for their whole life.
+
+    >>> comm = Communicator("w1", "10.0.0.5:29400")
+    >>> comm.configure(plan, cancelled=lambda: False, arrival_s=4.0, connect_s=2.0)
+    >>> comm.allreduce_sum_(grads, timeout_s=2.0)   # CommError when the generation broke
+    >>> comm.release()                              # peers blocked on us fail now
+    """
+
+    def __init__(
+        self,
+        worker: str,
+        store_addr: str,
+        *,
+        bind: str | None = None,
+        device: torch.device | None = None,
+        store_connect_s: float = 5.0,
+        backstop_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        """``store_addr``: this node's launcher's store (a plan naming no store means
+        it); ``bind``: the address gloo listens on; ``device``: where the training
+        tensors live (:meth:`configure` may change it); ``backstop_s``: the bound of
+        an op whose caller gives none."""
+        self.worker = worker
+        self.store_addr = store_addr
+        self.bind = bind
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.store_connect_s = store_connect_s
+        self.backstop_s = backstop_s
+        self.generation = 0  # of the group held, or last held (0: none yet)
+        self.rank = -1
+        self.world_size = 0
+        self._stores: dict[str, dist.Store] = {}
+        self._lock = threading.Lock()  # the group, as another thread (an abort) sees it
+        self._group: Group | None = None
+
+    # -- stores --------------------------------------------------------------------------
+    def store_at(self, addr: str = "") -> dist.Store:
+        """The store at ``addr`` (``""``: this node's launcher's), connected once and kept
+        for later generations.
+
+        Raises :class:`CommError` when it cannot be reached within ``store_connect_s``:
+        the plan that named it is then abandoned for a newer one.
+        """
+        addr = addr or self.store_addr
+        store = self._stores.get(addr)
+        if store is None:
+            try:
+                store = self._stores[addr] = connect_store(addr, self.store_connect_s)
+            except Exception as exc:  # a malformed address, DistNetworkError, a timeout
+                raise CommError(f"store {addr} unreachable: {exc}") from exc
+        return store
+
+    # -- generations -----------------------------------------------------------------------
+    def configure(
+        self,
+        plan: Plan,
+        *,
+        cancelled: Callable[[], bool],
+        arrival_s: float,
+        connect_s: float,
+        device: torch.device | None = None,
+        connecting: Callable[[], object] | None = None,
+    ) -> None:
+        """Point this communicator at ``plan``'s generation: drop the group held, meet
+        the members on the store the plan names (:func:`arrival_barrier`, at most
+        ``arrival_s``, given up when ``cancelled()``), call ``connecting()`` once all
+        have arrived, then connect the generation's group (at most ``connect_s``).
+
+        Raises :class:`Superseded` or :class:`CommError`; then no group is held.
+        """
+        rank = plan.rank_of(self.worker)
+        if rank is None:
+            raise ValueError(f"{self.worker} is no member of generation {plan.generation}")
+        self.release()
+        if device is not None:
+            self.device = torch.device(device)
+        client = self.store_at(plan.store_addr)
+        client.set_timeout(timedelta(seconds=connect_s))  # per store op: a live store answers at once
+        store = generation_store(client, plan.store_secret)
+        arrival_barrier(store, plan.store_prefix, rank, plan.world_size, cancelled, arrival_s)
+        if connecting is not None:
+            connecting()
+        group = Group(
+            store,
+            plan.store_prefix,
+            rank,
+            plan.world_size,
+            self.backstop_s,
+            bind=self.bind,
+            device=self.device,
+            connect_timeout_s=connect_s,
+        )
+        with self._lock:
+            self._group = group
+            self.generation, self.rank, self.world_size = plan.generation, rank, plan.world_size
+        self.device = group.device
+
+    @property
+    def configured(self) -> bool:
+        """Whether a generation's group is held (it may have failed since)."""
+        return self._group is not None
+
+    @property
+    def prefix(self) -> str:
+        group = self._group
+        return group.prefix if group is not None else ""
+
+    @property
+    def abortable(self) -> bool:
+        """Whether :meth:`abort` can end an op in flight (NCCL can; gloo cannot)."""
+        group = self._group
+        return group is not None and group.abortable
+
+    def release(self) -> None:
+        """Drop the group held at once (:meth:`Group.destroy`): peers blocked on this
+        rank fail fast. Idempotent."""
+        with self._lock:
+            group, self._group = self._group, None
+        if group is not None:
+            group.destroy()
+
+    def abort(self, below: int | None = None) -> None:
+        """End the op in flight now, from any thread (:meth:`Group.abort`); with
+        ``below``, only while the group held is of an older generation than that.
+        Never raises."""
+        with self._lock:
+            group = self._group
+            if group is None or (below is not None and self.generation >= below):
+                return
+        group.abort()
+
+    # -- collectives of the generation held ----------------------------------------------
+    def _held(self) -> Group:
+        group = self._group
+        if group is None:
+            raise CommError("no communicator: this rank is between generations")
+        return group
+
+    def allreduce_sum_(self, t: torch.Tensor, timeout_s: float | None = None) -> None:
+        self._held().allreduce_sum_(t, timeout_s or self.backstop_s)
+
+    def allreduce_work(self, t: torch.Tensor, timeout_s: float | None = None) -> dist.Work:
+        return self._held().allreduce_work(t, timeout_s or self.backstop_s)
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0, timeout_s: float | None = None) -> None:
+        self._held().send(t, dst, tag, timeout_s or self.backstop_s)
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0, timeout_s: float | None = None) -> None:
+        self._held().recv(t, src, tag, timeout_s or self.backstop_s)
+
+    def barrier(self, timeout_s: float | None = None) -> None:
+        self._held().barrier(timeout_s or self.backstop_s)
 
 
 def _abort_quietly(backend: C10dBackend, prefix: str) -> None:

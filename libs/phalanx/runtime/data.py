@@ -8,9 +8,10 @@ shard of that batch. So what a rank reads at a step depends only on
 ``(seed, step, G, W, r)``: not on how many times the process restarted, not on
 what it read before, and the union over ranks is the global batch whatever ``W``
 is. That is what lets the runtime hand a joiner a tiny :class:`DataPosition`
-instead of loader state (DESIGN.md, phase ``data_restore``), and what keeps the
-sequence of optimizer updates independent of failures (notes/inprocess-recovery.md
-section 6: a replacement takes the dead rank's index and therefore its shard).
+instead of loader state (docs/recovery.md, phase ``data_restore``), and what keeps the
+sequence of optimizer updates independent of failures (docs/invariants.md, "A
+replacement continues bitwise": a replacement takes the dead rank's index and
+therefore its shard).
 
 Two node-local caches make a replacement process cheap, both in shared memory
 (``/dev/shm``; a temp directory where it is absent; ``PHALANX_DATA_CACHE_DIR``
@@ -42,7 +43,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from phalanx.settings import get_settings
+from phalanx.settings import RankSettings, load
 
 TokenDtype = Literal["uint8", "uint16"]
 
@@ -63,7 +64,7 @@ class DataError(ValueError):
 def default_cache_dir() -> Path:
     """Where the node-local caches live: ``PHALANX_DATA_CACHE_DIR``, else
     ``/dev/shm/phalanx-data-<uid>``, else ``<tempdir>/phalanx-data-<uid>``."""
-    configured = get_settings().data_cache_dir
+    configured = load(RankSettings).data_cache_dir
     if configured is not None:
         return configured
     shm = Path("/dev/shm")

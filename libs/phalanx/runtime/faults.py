@@ -7,12 +7,16 @@ A comma-separated list of ``action:worker@point``:
   heartbeats go on), ``exit`` (exit code 3), ``break`` (the worker drops its
   communicator as if the network had failed: every rank's collective fails,
   nobody dies; only at ``step=N``), ``wedge`` (the training thread enters phase
-  COLLECTIVE and blocks forever, as a rank hung inside the all-reduce whose
-  heartbeats go on: its peers' per-op timeouts fire; only at ``step=N``);
+  COLLECTIVE and blocks forever, as a rank hung inside a collective whose
+  heartbeats go on: its peers' per-op timeouts fire; not at ``recovery=G``);
 - points: ``step=N`` (in step N, before the gradient all-reduce, so peers are
   left blocked in the collective: after the backward pass under the Trainer, as
-  DDP hands over its first gradient bucket in the user's own loop) or
-  ``recovery=G`` (as the worker starts building generation G's communicator).
+  DDP hands over its first gradient bucket in the user's own loop),
+  ``collective=G`` (the same place in the first step of generation G: its first
+  gradient all-reduce), ``recovery=G`` (as the worker starts joining generation
+  G, before its rendezvous), ``rendezvous=G`` (inside G's rendezvous, once every
+  member has arrived and the process group is being connected) or
+  ``transfer=G`` (inside G's state transfer, as it begins).
 
 >>> FaultPlan.parse("kill:w2@step=5,stop:w1@recovery=2")
 FaultPlan(faults=(Fault(action='kill', worker='w2', point='step', value=5), ...))
@@ -27,25 +31,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from phalanx.settings import get_settings
+from phalanx.settings import Fault, RankSettings, load, parse_faults
 
-_ENTRY = re.compile(r"^(kill|stop|stall|exit|break|wedge):([A-Za-z0-9_-]+)@(step|recovery)=(\d+)$")
-_STEP_ONLY = ("wedge",)
-
-
-@dataclass(frozen=True)
-class Fault:
-    action: str
-    worker: str
-    point: str
-    value: int
+__all__ = ["Fault", "FaultPlan"]
 
 
 @dataclass(frozen=True)
@@ -55,19 +49,13 @@ class FaultPlan:
 
     @classmethod
     def parse(cls, spec: str) -> FaultPlan:
-        faults = []
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            m = _ENTRY.match(part)
-            if not m or (m[1] in _STEP_ONLY and m[3] != "step"):
-                raise ValueError(
-                    f"bad fault {part!r}: want action:worker@step=N or @recovery=G (wedge: step only)"
-                )
-            faults.append(Fault(m[1], m[2], m[3], int(m[4])))
-        return cls(tuple(faults))
+        """The plan of ``spec`` (grammar: :func:`phalanx.settings.parse_faults`)."""
+        return cls(parse_faults(spec))
 
     @classmethod
     def from_env(cls) -> FaultPlan:
-        return cls.parse(get_settings().faults)
+        """``PHALANX_FAULTS``, parsed when the rank read its settings."""
+        return cls(load(RankSettings).faults)
 
     def fire(
         self, worker: str, point: str, value: int, *, enter_collective: Callable[[], object] | None = None
@@ -90,7 +78,7 @@ class FaultPlan:
 
 
 def _log(f: Fault) -> None:
-    path = get_settings().fault_log
+    path = load(RankSettings).fault_log
     if path:
         line = json.dumps(
             {"worker": f.worker, "action": f.action, "point": f.point, "value": f.value, "ts": time.time()}

@@ -4,16 +4,19 @@ It reads the environment the launcher sets (``PHALANX_JOB``, ``PHALANX_WORKER``,
 ``PHALANX_ROLE``, ``PHALANX_LAUNCH`` (the job's run id), ``PHALANX_STORE_ADDR``
 (this node's launcher's store), ``PHALANX_BIND`` (the address gloo listens on),
 ``NATS_URL``), sets up logs and traces and starts the
-:class:`~phalanx.runtime.agent.Agent` (registration, heartbeats, plans).
+:class:`~phalanx.worker.agent.Agent` (registration, heartbeats, plans).
 
 ``PHALANX_LOCAL_SLOT`` (the worker's slot on its node) picks its GPU: see
 :attr:`Job.device`. A script that keeps its own loop calls :meth:`Job.ddp`,
 :meth:`Job.track` and :meth:`Job.steps` (:mod:`phalanx.runtime.loop`); the
 batteries-included path is :class:`~phalanx.runtime.trainer.Trainer`.
 
-Each generation's plan names the store its members meet on (it moves to a
-surviving node when the node hosting it is lost); :meth:`Job.store_at` connects
-to it on first use and keeps the connection for later generations.
+The job's :class:`~phalanx.runtime.comm.Communicator` (:attr:`Job.comm`) lives
+as long as the process: each generation's plan re-points it
+(:meth:`~phalanx.runtime.comm.Communicator.configure`). The plan names the
+store its members meet on (it moves to a surviving node when the node hosting it
+is lost); the communicator connects to it on first use and keeps the connection
+for later generations.
 
 >>> job = phalanx.runtime.init()
 >>> job.worker, job.role
@@ -30,15 +33,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from phalanx.runtime.agent import Agent
-from phalanx.runtime.comm import CommError, connect_store
+from phalanx.contract import Plan, Role
+from phalanx.runtime.comm import Communicator
 from phalanx.runtime.faults import FaultPlan
-from phalanx.runtime.status import RankStatus
-from phalanx.schemas import Plan, Role
-from phalanx.settings import settings_or_exit
+from phalanx.settings import RankSettings, load_or_exit
 from phalanx.telemetry import get_logger, setup_logging, setup_tracing, shutdown_tracing
+from phalanx.worker.agent import Agent
+from phalanx.worker.status import RankStatus
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -58,12 +60,9 @@ class Job:
     role: Role
     status: RankStatus
     agent: Agent
-    store_addr: str
+    comm: Communicator
     faults: FaultPlan
-    bind: str | None = None
-    store_connect_s: float = 5.0
     local_slot: int = 0
-    _stores: dict[str, dist.Store] = field(default_factory=dict, repr=False)
     _loop: UserLoop | None = field(default=None, repr=False)
 
     @property
@@ -112,21 +111,6 @@ class Job:
         """The loss of the step in flight of :meth:`steps`, kept with the step's record."""
         self.loop.report_loss(loss)
 
-    def store_at(self, addr: str = "") -> dist.Store:
-        """The store at ``addr`` (``""``: this node's launcher's), connected once.
-
-        Raises :class:`CommError` when it cannot be reached within
-        ``store_connect_s``: the plan that named it is then abandoned for a newer one.
-        """
-        addr = addr or self.store_addr
-        store = self._stores.get(addr)
-        if store is None:
-            try:
-                store = self._stores[addr] = connect_store(addr, self.store_connect_s)
-            except Exception as exc:  # a malformed address, DistNetworkError, a timeout
-                raise CommError(f"store {addr} unreachable: {exc}") from exc
-        return store
-
     def close(self, *, goodbye: bool = True) -> None:
         """Leave the job: say goodbye (the detector takes the exit that follows for no
         fault), flush traces, disconnect. Idempotent."""
@@ -153,7 +137,7 @@ def _warm_imports() -> None:
 
 
 def init() -> Job:
-    settings = settings_or_exit("phalanx worker")  # a bad PHALANX_* value: exit 2, one line
+    settings = load_or_exit(RankSettings, "phalanx worker")  # a bad PHALANX_* value: exit 2, one line
     job, worker = _need(settings.job, "PHALANX_JOB"), _need(settings.worker, "PHALANX_WORKER")
     role = Role(_need(settings.role, "PHALANX_ROLE"))
     faults = FaultPlan.from_env()
@@ -162,18 +146,14 @@ def init() -> Job:
     setup_tracing("phalanx-rank")
     status = RankStatus(job=job, worker=worker)
     agent = Agent(status, role, launch=settings.launch).start()
-    result = Job(
-        job,
+    comm = Communicator(
         worker,
-        role,
-        status,
-        agent,
         _need(settings.store_addr, "PHALANX_STORE_ADDR"),
-        faults,
         bind=settings.bind,
-        local_slot=settings.local_slot,
+        backstop_s=settings.collective_timeout_s,
     )
-    result.store_at()  # this node's store answers: the launcher is up
+    result = Job(job, worker, role, status, agent, comm, faults, local_slot=settings.local_slot)
+    comm.store_at()  # this node's store answers: the launcher is up
     # Spans flushed and NATS left also without job.close(), but no goodbye: a process
     # ending on an uncaught exception or sys.exit(1) is a fault, not a finished worker.
     atexit.register(result.close, goodbye=False)

@@ -43,11 +43,16 @@ How it fits (torchft's shape: DDP on a placeholder group, gradients through a ho
 - Bucket layouts must agree across a generation, or the members' all-reduces do
   not match. DDP puts every gradient in one bucket for the first iteration and
   rebuilds the buckets from the order gradients became ready; each member
-  rebuilds on its own (the group it was built on has one rank). So on joining a
-  generation a member takes the layout of the most advanced member: its rebuilt
-  one, which is re-made with it (and rebuilt again to the same layout later, as
-  the ready order is the same), or, where that member has not rebuilt yet, a fresh
+  rebuilds on its own (the group it was built on has one rank: DDP's own
+  collectives -- its construction-time checks, the bucket order it syncs on a
+  rebuild -- stay in this process, as members rebuild at different times). So on
+  joining a generation a member takes the layout of the most advanced member: its
+  rebuilt one, onto which this member's hook maps DDP's buckets for as long as
+  they differ (:mod:`.buckets`; the next rebuild usually makes them equal, as the
+  ready order is the same), or, where that member has not rebuilt yet, a fresh
   reducer like everyone's first iteration.
+- The hook holds the job's one :class:`~phalanx.runtime.comm.Communicator`, which
+  each generation re-points; DDP itself never sees a generation's group.
 
 The loop is bitwise the plain torchrun script's when the world size is the same
 (same sampler order, same reduction, same bucket layouts), and a run with faults
@@ -67,10 +72,7 @@ import gc
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -79,15 +81,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from phalanx.runtime.comm import CommError, Communicator
-from phalanx.runtime.job import Job
+from phalanx.contract import Phase, Plan
+from phalanx.runtime.buckets import Layout, LayoutError, Remap, done, layout_of
+from phalanx.runtime.comm import CommError, Group
 from phalanx.runtime.sampler import ElasticSampler
-from phalanx.runtime.session import RecoveryError, Removed, Session
-from phalanx.schemas import Phase, Plan
+from phalanx.runtime.session import Member, RecoveryError, Removed, Session
 from phalanx.telemetry import get_logger
-
-Layout = list[list[int]]
-"""DDP buckets by bucket index, each the indices of its parameters."""
 
 _ids = itertools.count()
 
@@ -109,28 +108,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class UserLoop:
     """The user-loop integration of one job (one per process: ``job.loop``)."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Member) -> None:
         self.job = job
         self.log = get_logger(component="loop", worker=job.worker)
         self.tracked: dict[str, Any] = {}
         self.session: Session | None = None
         self._ddp: DistributedDataParallel | None = None
-        self._local: Communicator | None = None  # the one-rank group DDP is built on
+        self._local: Group | None = None  # the one-rank group DDP is built on
         self._param_index: dict[int, int] = {}
         # The step in flight.
         self._in_step = False
         self._failed: CommError | None = None
         self._hooked = False
         self._buckets: dict[int, list[int]] = {}
-        # DDP's layout: the last complete one after DDP rebuilt its buckets (or that
-        # this rank was given), and whether the reducer has run a backward since made.
+        # The generation's layout (None: DDP's first-iteration buckets, everyone's),
+        # DDP's own once rebuilt (None: not yet), and whether the reducer has run a
+        # backward since made; while the two differ, steps map onto the first.
         self._layout: Layout | None = None
+        self._physical: Layout | None = None
         self._reducer_used = False
         self._recording = True
         # Per step, for the hook (_prepare_step).
         self._bound = 0.0
-        self._opts = dist.AllreduceOptions()
         self._scale = 1.0
+        self._remap: Remap | None = None
         self._source_layout: Layout | None = None
         # Data: the loader, its iterator and the step's batch.
         self._sampler: ElasticSampler | None = None
@@ -155,7 +156,7 @@ class UserLoop:
         if "process_group" in kwargs:
             raise ValueError("job.ddp() chooses the process group; do not pass process_group")
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        self._local = Communicator(dist.HashStore(), f"phalanx-ddp-{next(_ids)}", 0, 1, device=device)
+        self._local = Group(dist.HashStore(), f"phalanx-ddp-{next(_ids)}", 0, 1, device=device)
         ddp = DistributedDataParallel(module, process_group=self._local.pg, **kwargs)
         ddp.register_comm_hook(self, _bucket_hook)
         params, _ = ddp._build_params_for_reducer()
@@ -279,7 +280,10 @@ class UserLoop:
         if not fresh:  # a fresh job keeps each rank's own RNG, as under torchrun
             set_rng_state(state["rng"])
             self._received = True
-        self._source_layout = _layout_of(state.get("ddp", {}).get("layout"), len(self._param_index))
+        try:
+            self._source_layout = layout_of(state.get("ddp", {}).get("layout"), len(self._param_index))
+        except LayoutError as exc:
+            raise RecoveryError(str(exc)) from None
 
     # -- data ---------------------------------------------------------------------------
     def _restore(self, world_size: int, rank: int) -> None:
@@ -290,11 +294,9 @@ class UserLoop:
         if self._on_resize is not None and old and old != world_size and session.plan is not None:
             self._on_resize(old, world_size, session.plan)
         layout = self._source_layout if self._received else self._layout
-        if layout is None:
-            if self._reducer_used:
-                self._remake_reducer(None)
-        elif layout != self._layout:
-            self._remake_reducer(layout)
+        if layout is None and self._reducer_used:
+            self._remake_reducer()  # everyone starts over with DDP's first-iteration buckets
+        self._layout = layout
         self._source_layout = None
         key = (session.step, world_size, rank)
         held = self._held
@@ -417,78 +419,59 @@ class UserLoop:
 
     def _record_bucket(self, bucket: dist.GradBucket) -> None:
         """Note which parameters each bucket holds, until one whole iteration after
-        DDP's rebuild (or with a layout this rank was given) has been seen."""
+        DDP's rebuild has been seen: DDP's own layout from then on."""
         self._buckets[bucket.index()] = [self._param_index[id(p)] for p in bucket.parameters()]
         if bucket.is_last():
             assert self._ddp is not None
-            if self._ddp._has_rebuilt_buckets:  # DDP's final layout (or one this rank was given)
-                self._layout = [self._buckets[i] for i in sorted(self._buckets)]
+            if self._ddp._has_rebuilt_buckets:
+                self._physical = [self._buckets[i] for i in sorted(self._buckets)]
                 self._recording = False
+                if self._layout is None:  # the generation's members rebuild alike
+                    self._layout = self._physical
             self._buckets = {}
 
     def _prepare_step(self, session: Session) -> None:
-        """What the hook needs, once per step: the bound, the op's options, the scale."""
+        """What the hook needs, once per step: the bound, the scale, and whether DDP's
+        buckets are the generation's or must be mapped onto them (:mod:`.buckets`)."""
         self._failed, self._hooked, self._in_step = None, False, True
         self._bound = bound = session.collective_bound_s()
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stubs mix the two
-        opts.timeout = timedelta(seconds=bound)
-        self._opts = opts
         self._scale = 1.0 / session.world_size
+        layout = self._layout
+        if layout is None or layout == self._physical:
+            self._remap = None
+        else:
+            self._remap = Remap(
+                layout, self.job.comm, bound, self._param_index, session.record_collective, self._fail
+            )
 
     def _first_bucket(self, session: Session) -> None:
-        """The first bucket of a step: where ``PHALANX_FAULTS`` strike (``step=N``)."""
+        """The first bucket of a step: where ``PHALANX_FAULTS`` strike (:meth:`Session.strike`)."""
         self._hooked = True
-        job = self.job
-        if job.faults.fire(
-            job.worker, "step", session.step, enter_collective=lambda: session.enter_collective(self._bound)
-        ):
-            if session.comm is not None:
-                session.comm.destroy()
-            self._fail(CommError(f"injected: {job.worker} broke its communicator in step {session.step}"))
+        if session.strike(self._bound):
+            self.job.comm.release()
+            self._fail(
+                CommError(f"injected: {self.job.worker} broke its communicator in step {session.step}")
+            )
 
-    def _remake_reducer(self, layout: Layout | None) -> None:
-        """A new reducer for the DDP model: DDP's first-iteration one, or ``layout``."""
+    def _remake_reducer(self) -> None:
+        """A new reducer for the DDP model, with DDP's first-iteration buckets."""
         ddp = self._ddp
         assert ddp is not None
         params, sparse = ddp._build_params_for_reducer()
         names = ddp._build_debug_param_to_name_mapping(params)
-        with _bucket_assignment(layout, ddp.bucket_bytes_cap):
-            ddp._ddp_init_helper(params, sparse, names, ddp.static_graph)
+        ddp._ddp_init_helper(params, sparse, names, ddp.static_graph)
         if ddp.static_graph:
             ddp.reducer._set_static_graph()
             ddp.logger._set_static_graph()  # type: ignore[union-attr]
         dist._register_comm_hook(ddp.reducer, self, _bucket_hook)
-        self._layout, self._reducer_used, self._buckets, self._recording = layout, False, {}, True
-        self.log.info("ddp_buckets_remade", buckets=None if layout is None else len(layout))
-
-
-@contextmanager
-def _bucket_assignment(layout: Layout | None, cap: int) -> Iterator[None]:
-    """Within: DDP's bucket assignment returns ``layout`` (DDP reverses what it gets)."""
-    if layout is None:
-        yield
-        return
-    fixed = ([list(b) for b in reversed(layout)], [cap] * len(layout))
-    with mock.patch.object(dist, "_compute_bucket_assignment_by_size", lambda *a, **k: fixed):
-        yield
-
-
-def _layout_of(raw: Any, nparams: int) -> Layout | None:
-    """A peer's layout, checked: every parameter index exactly once."""
-    if raw is None:
-        return None
-    if not isinstance(raw, list) or not all(isinstance(b, list) for b in raw):
-        raise RecoveryError("the peer's DDP bucket layout is not a list of lists")
-    flat = sorted(i for b in raw for i in b)
-    if flat != list(range(nparams)):
-        raise RecoveryError(f"the peer's DDP bucket layout does not cover this model's {nparams} parameters")
-    return [[int(i) for i in b] for b in raw]
+        self._physical, self._reducer_used, self._buckets, self._recording = None, False, {}, True
+        self.log.info("ddp_buckets_remade")
 
 
 def _bucket_hook(loop: UserLoop, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's comm hook: all-reduce this bucket over the current generation (what it
-    needs per step was prepared by :meth:`UserLoop._prepare_step`)."""
+    """DDP's comm hook: all-reduce this bucket over the generation the job's
+    communicator holds (what it needs per step was prepared by
+    :meth:`UserLoop._prepare_step`)."""
     buf = bucket.buffer()
     session = loop.session
     if not loop._in_step or session is None:
@@ -502,17 +485,20 @@ def _bucket_hook(loop: UserLoop, bucket: dist.GradBucket) -> torch.futures.Futur
         loop._first_bucket(session)
     if bucket.is_last():
         session.enter_collective(loop._bound)
-    comm = session.comm
-    if loop._failed is not None or comm is None:
-        return _done(buf)
+    comm = loop.job.comm
+    failed = loop._failed is not None or not comm.configured
+    if failed and loop._remap is None:
+        return done(buf)
     if loop._scale != 1.0:
         buf.mul_(loop._scale)  # what DDP's own reduction does before its SUM
+    if loop._remap is not None:
+        return loop._remap.add(bucket, failed=failed)
     start = time.perf_counter()
     try:
-        work = comm.pg.allreduce([buf], loop._opts)
-    except Exception as exc:  # the group was destroyed under us, or gloo refused at once
-        loop._fail(CommError(f"allreduce on {comm.prefix} failed: {exc}"))
-        return _done(buf)
+        work = comm.allreduce_work(buf, loop._bound)
+    except CommError as err:  # the group was destroyed under us, or gloo refused at once
+        loop._fail(err)
+        return done(buf)
 
     def settle(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         try:
@@ -529,12 +515,6 @@ def _bucket_hook(loop: UserLoop, bucket: dist.GradBucket) -> torch.futures.Futur
 _bucket_hook.__annotations__.update(
     {"loop": UserLoop, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
 )
-
-
-def _done(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(t)
-    return fut
 
 
 __all__ = ["UserLoop", "rng_state", "set_rng_state"]

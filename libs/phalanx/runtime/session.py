@@ -9,9 +9,11 @@ optimizer steps when that generation breaks:
    peers still blocked in a collective; NCCL aborts for real) and report the
    failed collective to the planner;
 2. wait for the planner's next generation (a hot spare takes the lost rank);
-3. ``comm_init``: an abandonable arrival barrier on the store the plan names
-   (hosted by a launcher; it moves when its node is lost), then a new process
-   group under the generation's own prefix, on this node's interface;
+3. ``comm_init``: the job's one :class:`~phalanx.runtime.comm.Communicator` is
+   re-pointed at the plan's generation: an abandonable arrival barrier on the
+   store the plan names (hosted by a launcher; it moves when its node is lost),
+   then a new process group under the generation's own prefix, on this node's
+   interface;
 4. ``state_transfer``: members all-reduce their step counters; the most advanced
    member sends its state (whatever the loop tracks: model, optimizer, scheduler,
    RNG, data position) to every member behind it -- the joiner, and any survivor
@@ -21,14 +23,12 @@ optimizer steps when that generation breaks:
 
 Each phase is timed, traced in the incident's trace and reported (``RECOVERED``).
 
-Gradient collectives carry a per-op timeout learned from this generation's
-recent ones, like the detector's compute-stall bound:
-``max(PHALANX_COLLECTIVE_FLOOR_MS (2000), PHALANX_COLLECTIVE_FACTOR (4) x the
-slowest of the last 20)``, and ``PHALANX_COLLECTIVE_INITIAL_MS`` (60000) until one
-has completed in the generation (its first one also waits for a joiner's
-forward/backward); never above ``collective_timeout_s``
-(``PHALANX_COLLECTIVE_TIMEOUT_S``, 120), the backstop of every other collective.
-The bound goes out in every heartbeat (``collective_bound_ms``).
+Every collective of steps 3 and 4 and of training carries a bound
+(:mod:`phalanx.runtime.bounds`), which goes out in every heartbeat
+(``collective_bound_ms``) while the rank is inside it (phase ``COLLECTIVE``,
+generation and rank of the plan being joined from its rendezvous on): a member
+hung in any of them is left behind when the others' bounds fire, and the
+detector replaces it (``collective_hang``).
 
 A newer plan that arrives while this rank is blocked in a collective aborts the
 communicator from the agent's thread (:meth:`Communicator.abort`): NCCL returns at
@@ -41,7 +41,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,18 +48,35 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from phalanx.bus.subjects import COMM_ERROR, RECOVERED
-from phalanx.runtime.comm import CommError, Communicator, Superseded, arrival_barrier, generation_store
-from phalanx.runtime.job import Job
-from phalanx.runtime.state import checksum, pack, recv_state, send_state
-from phalanx.schemas import CollectiveError, Phase, Plan, RecoveryDone, Role
-from phalanx.settings import get_settings
+from phalanx.checkpoint.packing import checksum, pack, tensor_bytes
+from phalanx.contract import CollectiveError, Phase, Plan, RecoveryDone, Role
+from phalanx.contract.subjects import COMM_ERROR, RECOVERED
+from phalanx.runtime.bounds import Bounds
+from phalanx.runtime.comm import CommError, Communicator, Superseded
+from phalanx.runtime.faults import FaultPlan
+from phalanx.runtime.state import recv_state, send_state
+from phalanx.settings import RankSettings, load
 from phalanx.telemetry import get_logger
+from phalanx.worker.agent import Agent
+from phalanx.worker.status import RankStatus
 
 PHASES = ("abort", "comm_init", "state_transfer", "data_restore", "first_step")
-COLLECTIVE_WINDOW = 20
-"""Gradient collectives whose wall times make the learned per-op timeout."""
 _tracer = trace.get_tracer("phalanx.runtime")
+
+
+class Member(Protocol):
+    """What a session needs of its process's place in the job
+    (:class:`phalanx.runtime.job.Job` is one)."""
+
+    job: str
+    worker: str
+    role: Role
+    status: RankStatus
+    agent: Agent
+    comm: Communicator
+    faults: FaultPlan
+
+    def close(self, *, goodbye: bool = True) -> None: ...
 
 
 class RecoveryError(RuntimeError):
@@ -140,14 +156,14 @@ class Session:
     """Membership, state sync and recovery for one training process.
 
     >>> session = Session(job, state=my_loop, device=torch.device("cpu"))
-    >>> session.join(restore=my_loop.restore)      # blocks until a plan gives a rank
+    >>> session.start(restore=my_loop.restore)     # blocks until a plan gives a rank
     >>> session.allreduce_(grads)                  # raises CommError when the group broke
-    >>> session.committed(step_ms)                 # step += 1, reports a recovery's first step
+    >>> session.committed(step_ms, started)        # step += 1, reports a recovery's first step
     """
 
     def __init__(
         self,
-        job: Job,
+        job: Member,
         state: Stateful,
         *,
         device: torch.device | None = None,
@@ -159,53 +175,60 @@ class Session:
         self.job, self.state = job, state
         self.checkpoints = checkpoints
         self.device = device or torch.device("cpu")
-        settings = get_settings()
+        settings = load(RankSettings)
         self.collective_timeout_s = collective_timeout_s or settings.collective_timeout_s
-        self.collective_floor_s = settings.collective_floor_ms / 1e3
-        self.collective_factor = settings.collective_factor
-        self.collective_initial_s = settings.collective_initial_ms / 1e3
-        self._collective_ms: deque[float] = deque(maxlen=COLLECTIVE_WINDOW)
-        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.bounds = Bounds(
+            floor_s=settings.collective_floor_s,
+            factor=settings.collective_factor,
+            initial_s=settings.collective_initial_s,
+            backstop_s=self.collective_timeout_s,
+            rendezvous_s=rendezvous_timeout_s,
+        )
         self.plan_timeout_s = plan_timeout_s
         self.log = get_logger(component="session", worker=job.worker)
         self.step = 0
         self.generation = 0
         self.rank = -1
         self.world_size = 0
-        self.comm: Communicator | None = None
         self.plan: Plan | None = None  # the plan of the generation being joined or run
         self.recoveries = 0
         self.pending: Recovery | None = None  # reported once the first step after it commits
         self._seen = 0  # newest generation looked at (a spare skips plans that leave it out)
         self._has_state = False
-        self._lock = threading.Lock()  # (comm, generation) as the agent's thread sees them
+
+    @property
+    def comm(self) -> Communicator:
+        """The job's communicator, whatever the generation (between two, it holds none)."""
+        return self.job.comm
 
     # -- collectives -------------------------------------------------------------------
     def collective_bound_s(self) -> float:
-        """The per-op timeout of the next gradient collective (see the module doc)."""
-        if self._collective_ms:
-            bound = max(self.collective_floor_s, self.collective_factor * max(self._collective_ms) / 1e3)
-        else:
-            bound = max(self.collective_floor_s, self.collective_initial_s)
-        return min(bound, self.collective_timeout_s)
+        """The per-op timeout of the next gradient collective (:mod:`.bounds`)."""
+        return self.bounds.gradient_s()
 
     def record_collective(self, ms: float) -> None:
-        self._collective_ms.append(ms)
+        self.bounds.record_collective(ms)
 
     def enter_collective(self, bound_s: float) -> None:
-        status = self.job.status
-        status.collective_bound_ms = bound_s * 1e3
-        status.enter(Phase.COLLECTIVE)
+        self.job.status.enter_collective(bound_s)
+
+    def strike(self, bound_s: float) -> bool:
+        """Where ``PHALANX_FAULTS`` strike before a step's gradient all-reduce
+        (``step=N``, and ``collective=G`` in generation G's first); True when one is
+        ``break``, which the caller carries out."""
+        faults, worker = self.job.faults, self.job.worker
+        enter = functools.partial(self.enter_collective, bound_s)
+        broke = faults.fire(worker, "step", self.step, enter_collective=enter)
+        if self.bounds.first_of_generation:
+            broke = faults.fire(worker, "collective", self.generation, enter_collective=enter) or broke
+        return broke
 
     def allreduce_(self, t: torch.Tensor) -> None:
         """SUM ``t`` in place over the generation under the learned bound."""
-        comm = self.comm
-        if comm is None:
-            raise CommError("no communicator: this rank is between generations")
         bound = self.collective_bound_s()
         self.enter_collective(bound)
         start = time.perf_counter()
-        comm.allreduce_sum_(t, bound)
+        self.comm.allreduce_sum_(t, bound)
         self.record_collective((time.perf_counter() - start) * 1000.0)
 
     def superseded(self) -> bool:
@@ -231,7 +254,8 @@ class Session:
         # one hung inside it (collective_hang) by this phase, a heartbeat later.
         self.job.status.enter(Phase.RECOVERING)
         rec = Recovery(now)
-        self._drop_comm()  # the cascade: peers blocked on us fail now
+        self.bounds.leave()
+        self.comm.release()  # the cascade: peers blocked on us fail now
         rec.mark("abort", now)
         if err is not None:
             self.log.warning("collective_failed", step=self.step, generation=self.generation, error=str(err))
@@ -256,6 +280,7 @@ class Session:
         count it (with its ``loss``, when known, for the run's record), and report the
         recovery whose first step it was."""
         self.step += 1
+        self.bounds.record_step(step_ms)
         status = self.job.status
         status.completed(self.step, step_ms, loss)
         status.enter(Phase.COMPUTE)
@@ -267,30 +292,25 @@ class Session:
     def finish(self) -> None:
         """The last step is done: leave the group together (nobody closes sockets a
         peer still reads from)."""
-        comm = self.comm
-        if comm is not None:
+        if self.comm.configured:
             try:
-                comm.barrier()
+                self.comm.barrier(self.bounds.backstop_s)
             except CommError as err:
                 self.log.warning("final_barrier_failed", error=str(err))
-            self._drop_comm()
-
-    def _drop_comm(self) -> None:
-        with self._lock:
-            comm, self.comm = self.comm, None
-        if comm is not None:
-            comm.destroy()
+            self.comm.release()
 
     def _abort_on_newer_plan(self, plan: Plan) -> None:
-        """From the agent's thread: a newer plan ends this generation, so a collective
-        blocked in it can only fail; NCCL is released now instead of at its timeout.
-        gloo cannot abort an op in flight: its ranks see the plan at the next step's
-        start, or their collective fails by the cascade or its timeout."""
-        with self._lock:
-            comm, generation = self.comm, self.generation
+        """From the agent's thread: a newer plan ends the generation the communicator
+        holds, so a collective blocked in it can only fail; NCCL is released now
+        instead of at its timeout. gloo cannot abort an op in flight: its ranks see
+        the plan at the next step's start, or their collective fails by the cascade
+        or its timeout."""
+        comm = self.comm
+        generation = comm.generation
         planned = plan.planned and plan.generation == generation + 1  # waits for the step boundary
-        if comm is not None and comm.abortable and plan.generation > generation and not planned:
-            threading.Thread(target=comm.abort, name="phalanx-abort", daemon=True).start()
+        if comm.abortable and plan.generation > generation and not planned:
+            abort = functools.partial(comm.abort, below=plan.generation)
+            threading.Thread(target=abort, name="phalanx-abort", daemon=True).start()
 
     def _join(self, rec: Recovery, restore: Restore, first: bool) -> None:
         agent, status = self.job.agent, self.job.status
@@ -313,48 +333,17 @@ class Session:
                     self.rank = status.rank = -1  # no rank: a script's `if rank == 0` must not fire
                     raise Removed()
                 continue  # a spare not (yet) chosen
-            status.enter(Phase.RECOVERING)
             rec.incident, rec.context = plan.incident, env.context
             if self.generation == 0 and self.job.role is Role.SPARE:
                 rec.role = "joiner"
-            comm = None
             try:
-                self.job.faults.fire(self.job.worker, "recovery", plan.generation)
-                t = time.time()
-                store = generation_store(self.job.store_at(plan.store_addr), plan.store_secret)
-                arrival_barrier(
-                    store,
-                    plan.store_prefix,
-                    rank,
-                    plan.world_size,
-                    functools.partial(agent.superseded, plan.generation),
-                    self.rendezvous_timeout_s,
-                )
-                comm = Communicator(
-                    store,
-                    plan.store_prefix,
-                    rank,
-                    plan.world_size,
-                    self.collective_timeout_s,
-                    bind=self.job.bind,
-                    device=self.device,
-                )
-                t = rec.mark("comm_init", t)
-                rec.bytes_received = self._sync_state(comm, rank, rec)
-                t = rec.mark("state_transfer", t)
-                self.plan = plan
-                restore(plan.world_size, rank)
-                rec.mark("data_restore", t)
+                self._enter(plan, rank, rec, restore)
             except (Superseded, CommError) as exc:
-                if comm is not None:
-                    comm.destroy()
+                self.comm.release()
+                status.enter(Phase.RECOVERING)  # it left this generation's collectives
                 self.log.warning("generation_abandoned", generation=plan.generation, error=str(exc))
                 continue
-            with self._lock:
-                self.comm, self.generation = comm, plan.generation
-            self.rank, self.world_size = rank, plan.world_size
-            status.rank, status.generation = rank, plan.generation
-            self._collective_ms.clear()  # a new group (maybe of another size): learn its times afresh
+            self.rank, self.world_size, self.generation = rank, plan.world_size, plan.generation
             self.recoveries += 0 if first else 1
             self.pending = rec
             self.log.info(
@@ -367,24 +356,65 @@ class Session:
             )
             return
 
-    def _member_steps(self, comm: Communicator, rank: int) -> list[int]:
-        """Every member's step (-1: holds no state)."""
-        steps_t = torch.zeros(comm.world_size, dtype=torch.int64)
-        steps_t[rank] = self.step + 2 if self._has_state else 1
-        comm.allreduce_sum_(steps_t, self.collective_timeout_s)
-        return [int(s) - 2 for s in steps_t.tolist()]
+    def _enter(self, plan: Plan, rank: int, rec: Recovery, restore: Restore) -> None:
+        """Become ``rank`` of ``plan``'s generation: its rendezvous (``comm_init``), the
+        state transfer, the data restore. From the rendezvous on this rank reports the
+        generation it joins, and each collective's bound, so a hang in any is seen."""
+        job, status, bounds = self.job, self.job.status, self.bounds
+        status.enter(Phase.RECOVERING)
+        job.faults.fire(job.worker, "recovery", plan.generation)
+        t = time.time()
+        status.rank, status.generation = rank, plan.generation
+        status.enter_collective(bounds.arrival_s())
 
-    def _sync_state(self, comm: Communicator, rank: int, rec: Recovery | None = None) -> int:
+        def connecting() -> None:
+            status.enter_collective(bounds.connect_s())
+            job.faults.fire(job.worker, "rendezvous", plan.generation)
+
+        self.comm.configure(
+            plan,
+            cancelled=functools.partial(job.agent.superseded, plan.generation),
+            arrival_s=bounds.arrival_s(),
+            connect_s=bounds.connect_s(),
+            device=self.device,
+            connecting=connecting,
+        )
+        t = rec.mark("comm_init", t)
+        rec.bytes_received = self._sync_state(rank, plan.generation, rec)
+        t = rec.mark("state_transfer", t)
+        status.enter(Phase.RECOVERING)
+        self.plan = plan
+        restore(plan.world_size, rank)
+        rec.mark("data_restore", t)
+
+    def _member_facts(self, rank: int, bound_s: float) -> tuple[list[int], int, float]:
+        """Every member's step (-1: holds no state), the largest member's state bytes
+        and the slowest recent step of any member (ms), in one all-reduce."""
+        comm, n = self.comm, self.comm.world_size
+        facts = torch.zeros(3 * n, dtype=torch.int64)
+        facts[rank] = self.step + 2 if self._has_state else 1
+        facts[n + rank] = tensor_bytes(self.state.state_dict())
+        facts[2 * n + rank] = round(self.bounds.slowest_step_ms())
+        comm.allreduce_sum_(facts, bound_s)
+        steps = [int(s) - 2 for s in facts[:n].tolist()]
+        return steps, int(facts[n : 2 * n].max()), float(facts[2 * n :].max())
+
+    def _sync_state(self, rank: int, generation: int, rec: Recovery | None = None) -> int:
         """Bring every member to the most advanced member's state; returns bytes received.
 
         When no member holds state (a relaunched job, or every holder lost) and a
         checkpoint store is configured, rank 0 loads the newest complete checkpoint
         and is the source for everyone: the recovery of last resort."""
-        steps = self._member_steps(comm, rank)
+        comm, bounds, status = self.comm, self.bounds, self.job.status
+        status.enter_collective(bounds.exchange_s())
+        self.job.faults.fire(self.job.worker, "transfer", generation)
+        steps, size, slowest = self._member_facts(rank, bounds.exchange_s())
         if max(steps) < 0 and self.checkpoints is not None:
+            status.enter_collective(bounds.backstop_s)  # the load's time is the source's
             if rank == 0:
                 self._load_checkpoint(rec)
-            steps = self._member_steps(comm, rank)
+            steps, size, slowest = self._member_facts(rank, bounds.backstop_s)
+        bounds.join(slowest)
         fresh = max(steps) < 0
         source = state_sources(steps)
         received = 0
@@ -393,11 +423,15 @@ class Session:
             state = {"step": self.step, "state": self.state.state_dict()}
             meta, buf = pack(state, device=self.device)
             crc = checksum(buf)
-            for r in mine_to:
-                send_state(comm, meta, buf, crc, r)
+            for queued, r in enumerate(mine_to):
+                bound = bounds.transfer_s(size, queued)
+                status.enter_collective(bound)
+                send_state(comm, meta, buf, crc, r, timeout_s=bound)
         elif rank in source:
             src = source[rank]
-            got, received = recv_state(comm, src)
+            bound = bounds.transfer_s(size, [r for r, s in source.items() if s == src].index(rank))
+            status.enter_collective(bound)
+            got, received = recv_state(comm, src, timeout_s=bound)
             step = got.get("step") if isinstance(got, dict) else None
             if type(step) is not int or step < 0 or not isinstance(got.get("state"), dict):
                 raise RecoveryError(f"rank {src} sent a state without a step: {sorted(got)[:8]}")
@@ -473,6 +507,7 @@ class Session:
 
 __all__ = [
     "PHASES",
+    "Member",
     "Recovery",
     "RecoveryError",
     "Removed",

@@ -50,10 +50,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.runtime.comm import CommError, Communicator
-from phalanx.runtime.job import Job
-from phalanx.runtime.session import RecoveryError, Removed, Session
-from phalanx.schemas import BatchPlan, Phase, Plan, Role
+from phalanx.contract import BatchPlan, Phase, Plan, Role
+from phalanx.runtime.comm import CommError, Group
+from phalanx.runtime.session import Member, RecoveryError, Removed, Session
 from phalanx.telemetry import get_logger
 
 if TYPE_CHECKING:
@@ -89,7 +88,7 @@ def _flat_grads(params: list[nn.Parameter]) -> tuple[torch.Tensor, list[torch.Te
 class Trainer:
     def __init__(
         self,
-        job: Job,
+        job: Member,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
@@ -306,8 +305,6 @@ class Trainer:
 
     def _train_step(self) -> None:
         session, status = self.session, self.job.status
-        comm = session.comm
-        assert comm is not None
         step = session.step
         t0, wall0 = time.perf_counter(), time.time()
         status.enter(Phase.COMPUTE)
@@ -335,12 +332,9 @@ class Trainer:
             if self.reuse_local_grads:
                 self._local_grads.copy_(self.flat)  # the all-reduce works in place
                 self._local_key = key
-            bound = session.collective_bound_s()
-            if self.job.faults.fire(
-                self.job.worker, "step", step, enter_collective=lambda: session.enter_collective(bound)
-            ):
-                comm.destroy()
-                raise CommError(f"injected: {self.job.worker} broke its communicator in step {step}")
+        if session.strike(session.collective_bound_s()):
+            session.comm.release()
+            raise CommError(f"injected: {self.job.worker} broke its communicator in step {step}")
         self._prefetched = None
         self.flat[VOTE] = session.resize_vote()
         session.allreduce_(self.flat)
@@ -373,7 +367,7 @@ class Trainer:
 def warm_up_group(t: torch.Tensor) -> None:
     """Build and use a one-rank group on ``t``'s device: the first group in a process
     costs more than later ones, and a hot spare pays that before it is needed."""
-    warm = Communicator(dist.HashStore(), "warm-up", 0, 1, 10.0, device=t.device)
+    warm = Group(dist.HashStore(), "warm-up", 0, 1, 10.0, device=t.device)
     warm.allreduce_sum_(t)
     warm.destroy()
 

@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 from opentelemetry import trace
 
-from phalanx.settings import get_settings
+from phalanx.settings import TelemetrySettings, load
 
 _configured = False
 
@@ -28,7 +28,7 @@ def setup_logging(service: str, level: str | None = None) -> None:
     global _configured
     if _configured:
         return
-    lvl = getattr(logging, (level or get_settings().log_level or "INFO").upper())
+    lvl = getattr(logging, (level or load(TelemetrySettings).log_level or "INFO").upper())
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
-from phalanx.settings import get_settings
+from phalanx.settings import TelemetrySettings, load
 
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
@@ -101,7 +101,7 @@ def _exporter_from_env() -> SpanExporter:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         return OTLPSpanExporter()  # endpoint, headers, compression, timeout: from the OTEL_* variables
-    return JsonLinesSpanExporter(get_settings().span_file)
+    return JsonLinesSpanExporter(load(TelemetrySettings).span_file)
 
 
 def setup_tracing(

@@ -1,0 +1,60 @@
+"""What a node's keeper (:mod:`phalanx.checkpoint.keeper`) is configured with."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from phalanx.checkpoint.tiers import RetryPolicy, Tier
+from phalanx.settings import RetentionPolicy
+
+
+@dataclass
+class KeeperConfig:
+    node: str
+    shm_root: Path = Path("/dev/shm/phalanx")
+    disk_root: Path | None = None
+    shared_root: Path | None = None
+    object_url: str | None = None
+    host: str = "127.0.0.1"  # where peers reach this keeper (TCP)
+    port: int = 0
+    replicas: int = 1
+    retention: dict[Tier, RetentionPolicy] = field(
+        default_factory=lambda: {
+            Tier.MEMORY: RetentionPolicy(2),
+            Tier.DISK: RetentionPolicy(5),
+            Tier.SHARED: RetentionPolicy(5),
+            Tier.OBJECT: RetentionPolicy(3, 0),
+        }
+    )
+    scan_s: float = 0.05
+    fsync: bool = True
+    connect_timeout_s: float = 2.0
+    key: bytes = b""
+    """The cluster's keeper key (:mod:`phalanx.checkpoint.peerauth`): required, >= 32 bytes."""
+    auth_timeout_s: float = 5.0  # a peer that has not proved the key by then is dropped
+    io_timeout_s: float = 30.0  # the longest wait for any read or write with a peer
+    min_rate: float = float(8 << 20)  # bytes/s: a slower transfer, on the whole, is dropped
+    max_bytes: int = 64 << 30  # the largest checkpoint received or restored
+    shm_reserve_bytes: int = 256 << 20  # shared memory a receive or restore leaves free
+    max_connections: int = 64  # peer connections served at once
+    max_connections_per_peer: int = 8  # of those, from one address
+    max_fills: int = 2  # copies received or restored into shared memory at once
+    job_uids: dict[str, int] = field(default_factory=dict)
+    """The uid each job's ranks run as (its group: the same number); a job not listed
+    runs as the keeper's own uid (one uid for everything)."""
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    """Failed tier writes and catalog writes are retried with this backoff."""
+
+    @property
+    def node_dir(self) -> Path:
+        return self.shm_root / self.node
+
+    @property
+    def socket_path(self) -> Path:
+        return self.node_dir / "keeper.sock"
+
+    def job_uid(self, job: str) -> int:
+        """The uid the ranks of ``job`` run as (:attr:`job_uids`)."""
+        return self.job_uids.get(job, os.geteuid())

@@ -1,0 +1,81 @@
+"""A training process's settings (``phalanx worker``, started by its launcher)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field
+from pydantic_settings import NoDecode
+
+from phalanx.contract import Role
+from phalanx.settings.common import (
+    PLAIN_NAME,
+    HeartbeatSettings,
+    NatsSettings,
+    NodeSettings,
+    TelemetrySettings,
+)
+from phalanx.settings.parsing import Fault, parse_faults
+
+
+def _faults(value: Any) -> Any:
+    return parse_faults(value) if isinstance(value, str) else value
+
+
+class RankSettings(NatsSettings, TelemetrySettings, HeartbeatSettings, NodeSettings):
+    """The launcher's hand-off, the collective bounds, state transfer, data, checkpoints
+    and fault injection; ``_s`` properties give the durations set in ms in seconds."""
+
+    # --- the hand-off, set by the launcher ---------------------------------------------------
+    job: str | None = Field(default=None, pattern=PLAIN_NAME, description="The job's name.")
+    worker: str | None = Field(default=None, pattern=PLAIN_NAME, description="This worker's name.")
+    role: Role | None = Field(default=None, description="rank or spare.")
+    store_addr: str | None = Field(default=None, description="host:port of this node's launcher's store.")
+    bind: str | None = Field(default=None, description="The address gloo listens on.")
+    launch: str = Field(default="", description="The launcher run's id.")
+    local_slot: int = Field(default=0, ge=0, description="The worker's slot on its node; picks its GPU.")
+    heartbeat_socket: Path | None = Field(
+        default=None, description="The launcher's unix socket for heartbeats (unset: heartbeats go to NATS)."
+    )
+
+    # --- collectives, state transfer, data, drains, checkpoints ------------------------------
+    collective_timeout_s: float = Field(default=120.0, gt=0, description="Backstop of every collective.")
+    collective_floor_ms: float = Field(
+        default=2000.0, gt=0, description="Floor of the learned all-reduce bound."
+    )
+    collective_factor: float = Field(
+        default=4.0, gt=0, description="The all-reduce bound is factor x the slowest recent."
+    )
+    collective_initial_ms: float = Field(
+        default=60000.0, gt=0, description="The all-reduce bound before one completed."
+    )
+    state_max_bytes: int = Field(
+        default=64 << 30, ge=0, description="The largest state buffer a joiner accepts."
+    )
+    data_cache_dir: Path | None = Field(
+        default=None,
+        description="Node-local data caches (default /dev/shm/phalanx-data-<uid>, else the temp dir).",
+    )
+    agent_drain_s: float = Field(
+        default=15.0, ge=0, description="How long a closing rank waits for events in flight."
+    )
+    keeper_node: str | None = Field(
+        default=None, description="The keeper's node, where it differs from node."
+    )
+
+    # --- fault injection (tests, demo, benchmarks) -------------------------------------------
+    faults: Annotated[tuple[Fault, ...], NoDecode, BeforeValidator(_faults)] = Field(
+        default=(), description="Faults to strike: action:worker@step=N,... (phalanx.runtime.faults)."
+    )
+    fault_log: Path | None = Field(
+        default=None, description="Each fault struck is appended here as a JSON line."
+    )
+
+    @property
+    def collective_floor_s(self) -> float:
+        return self.collective_floor_ms / 1e3
+
+    @property
+    def collective_initial_s(self) -> float:
+        return self.collective_initial_ms / 1e3

@@ -1,0 +1,64 @@
+"""What a policy returns: a :class:`Decision`, and the job-size rules policies share.
+
+A decision is data: the action, its reason, and when membership changes the new
+generation's members, who is removed (fenced), which spares were used and who
+leaves gracefully. The reducer (:mod:`.reducer`) turns it into the next plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from phalanx.contract import Action, FaultCause, JobState, Member
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A rank's fault as a policy sees it."""
+
+    incident: str
+    worker: str
+    cause: str
+    hung: bool
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    members: list[Member] | None = None  # the new generation's members, when it changes
+    removed: list[str] = field(default_factory=list)
+    spares_used: list[str] = field(default_factory=list)
+    leaving: list[str] = field(default_factory=list)  # leave gracefully (finish the step, exit 0)
+    planned: bool = False  # switch at a step boundary, agreed in the gradient all-reduce
+    leave_by: float = 0.0  # wall time after which the leaving are fenced
+
+
+def largest_allowed(state: JobState, at_most: int) -> int | None:
+    """The largest world size the job may run at that is at most ``at_most``."""
+    return next((n for n in range(min(at_most, state.max_world_size), 0, -1) if state.allowed(n)), None)
+
+
+def size_rule(state: JobState) -> str:
+    """The job's size rule, as a rejection states it."""
+    e = state.spec.elastic
+    rule = f"min {state.min_world_size}, max {state.max_world_size}"
+    if e.sizes:
+        rule += f", sizes {e.sizes}"
+    if e.size_step > 1:
+        rule += f", multiples of {e.size_step}"
+    return rule
+
+
+def cause_class(cause: str) -> str:
+    """The ``cause`` label of a fault: crash, hang, collective_hang, node_lost, collective_error.
+
+    >>> cause_class("process_exit"), cause_class("step_stall"), cause_class("collective_error")
+    ('crash', 'hang', 'collective_error')
+    """
+    return {
+        FaultCause.PROCESS_EXIT.value: "crash",
+        FaultCause.HEARTBEAT_LOST.value: "hang",
+        FaultCause.STEP_STALL.value: "hang",
+        FaultCause.COLLECTIVE_HANG.value: "collective_hang",
+    }.get(cause, cause)

@@ -1,0 +1,232 @@
+"""The verdict rules: when a worker is faulty, and what its verdict says.
+
+- **process exit** (:meth:`Rules.exit_incident`): the launcher saw the process end
+  with a non-zero code or a signal -> ``process_exit`` at ``exited_at``.
+- **heartbeat lost** (:meth:`Rules.silence_incident`): its silence passed its
+  deadline (:mod:`.liveness`) -> ``heartbeat_lost`` at its last heartbeat.
+- **step stall** (:meth:`Rules.stall_bound`, :meth:`Rules.stall_incident`):
+  heartbeats continue, but the rank has been in ``COMPUTE`` without completing a
+  step for longer than ``max(stall_floor, stall_factor x max(recent step_ms))``
+  (``stall_initial`` before any step completed) -> ``step_stall`` since the stalled
+  phase (or the step in it) began. ``COLLECTIVE`` ranks are victims waiting on a
+  stalled peer and are never judged by this rule; nor are ``IDLE`` spares or
+  ``STARTING``/``RECOVERING`` ranks.
+- **collective hang** (:meth:`Rules.hang_at`, :meth:`Rules.hang_incident`): a rank
+  in ``COLLECTIVE`` past its own per-op bound plus slack
+  (:meth:`Rules.collective_bound`) while a peer of the same job and generation has
+  been seen ``RECOVERING`` (its own timeout fired), that slack ago at least ->
+  ``collective_hang`` since it entered ``COLLECTIVE``. Peers that timed out are
+  ``RECOVERING``, so they are never blamed; while every member is still in
+  ``COLLECTIVE`` nobody is judged by this rule (their own timeouts release them).
+
+:meth:`Rules.learn` keeps what the last two rules read from each heartbeat (its
+phase, its recent step times, the peers that left a generation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from phalanx.services.failure_detector.config import DetectorConfig
+from phalanx.services.failure_detector.liveness import Liveness
+from phalanx.services.failure_detector.tracking import Node, Worker
+from phalanx.services.failure_detector.verdicts import Incident, NodeIncident
+
+from phalanx.contract import Evidence, FaultCause, Phase, RankExited
+
+__all__ = ["Left", "Rules"]
+
+
+@dataclass(slots=True)
+class Left:
+    """The workers of one (job, generation) heard RECOVERING, and when (monotonic) they left."""
+
+    first: float
+    workers: dict[str, float] = field(default_factory=dict)
+
+
+class Rules:
+    """The stall and collective-hang bounds, what they learn, and every verdict's evidence."""
+
+    def __init__(self, config: DetectorConfig, live: Liveness) -> None:
+        self.stall_floor = config.stall_floor_s
+        self.stall_factor = config.stall_factor
+        self.stall_initial = max(config.stall_floor_s, config.stall_initial_s)
+        self._slack_ratio = config.collective_slack_ratio
+        self._slack_intervals = config.collective_slack_intervals
+        self._live = live
+        self.left: dict[tuple[str, int], Left] = {}
+        """(job, generation) -> the workers heard RECOVERING in that generation: the
+        peers that left its collectives."""
+
+    # -- what the rules learn ------------------------------------------------------
+    def learn(
+        self,
+        w: Worker,
+        phase: Phase,
+        phase_ms: float,
+        step: int,
+        step_ms: float,
+        at: float,
+        at_wall: float,
+        fresh: bool,
+    ) -> None:
+        """Learn ``w``'s phase and step from a heartbeat received at ``at``."""
+        # A new phase, or the same one entered again between two heartbeats.
+        if fresh or phase is not w.phase or phase_ms < w.phase_ms:
+            w.phase = phase
+            w.phase_start = at - phase_ms / 1e3
+            w.phase_start_wall = at_wall - phase_ms / 1e3
+            if phase is Phase.RECOVERING:  # it left this generation's collectives
+                self.mark_left(w)
+        w.phase_ms = phase_ms
+        if step > w.step:
+            if step_ms > 0:
+                evicted = w.steps[0] if len(w.steps) == w.steps.maxlen else 0.0
+                w.steps.append(step_ms)
+                if step_ms >= w.max_step_ms:
+                    w.max_step_ms = step_ms
+                elif evicted >= w.max_step_ms:
+                    w.max_step_ms = max(w.steps)
+            w.progress_at, w.progress_wall = at, at_wall
+        w.step, w.step_ms = step, step_ms
+
+    def mark_left(self, w: Worker) -> None:
+        """``w`` left its generation's collectives (it is RECOVERING since ``phase_start``)."""
+        left = self.left.get((w.job, w.generation))
+        if left is None:
+            left = self.left[(w.job, w.generation)] = Left(w.phase_start)
+        if w.worker not in left.workers:
+            left.workers[w.worker] = w.phase_start
+            left.first = min(left.first, w.phase_start)
+
+    def forget_before(self, job: str, generation: int) -> None:
+        """Forget who left ``job``'s generations before ``generation``."""
+        for key in [k for k in self.left if k[0] == job and k[1] < generation]:
+            del self.left[key]
+
+    # -- bounds --------------------------------------------------------------------
+    def stall_bound(self, w: Worker) -> float:
+        """Seconds a rank may stay in COMPUTE without finishing a step."""
+        if not w.steps:
+            return self.stall_initial
+        bound = self.stall_factor * w.max_step_ms / 1e3
+        return bound if bound > self.stall_floor else self.stall_floor
+
+    def collective_slack(self, w: Worker) -> float:
+        """How late a rank may leave after its own timeout, or after a peer left, and be
+        heard: the spread of peers' timeouts (a gloo timeout restarts with each
+        partial transfer, about one normal all-reduce, <= bound / factor) and the
+        heartbeat (and digest) that says so."""
+        bound = w.bound_ms / 1e3
+        slack = max(self._slack_ratio * bound, self._slack_intervals * w.declared_s)
+        return slack + (w.digest_s if w.node is not None else 0.0)
+
+    def collective_bound(self, w: Worker) -> float:
+        """Seconds a rank may stay in COLLECTIVE once a peer of its generation has left:
+        the per-op timeout it reported plus :meth:`collective_slack`."""
+        return w.bound_ms / 1e3 + self.collective_slack(w)
+
+    def hang_at(self, w: Worker) -> float | None:
+        """When a rank in COLLECTIVE is left behind: its bound and slack after it entered
+        the phase, and no sooner than slack after the first peer left (the others, whose
+        timeouts fire about then, must be heard leaving too); None while no peer of its
+        generation has left, or it reports no bound."""
+        if w.phase is not Phase.COLLECTIVE or w.bound_ms <= 0.0:
+            return None
+        left = self.left.get((w.job, w.generation))
+        if left is None or (len(left.workers) == 1 and w.worker in left.workers):
+            return None
+        slack = self.collective_slack(w)
+        at = w.phase_start + w.bound_ms / 1e3 + slack
+        after_peer = left.first + slack
+        return at if at > after_peer else after_peer
+
+    # -- verdicts ------------------------------------------------------------------
+    def exit_incident(
+        self, ex: RankExited, w: Worker | None, rank: int, generation: int, now: float
+    ) -> Incident:
+        """The verdict on a process that ended with a non-zero code or a signal (``w``:
+        its tracked incarnation, if any)."""
+        evidence: Evidence = {"host": ex.host}
+        if ex.exit_code is not None:
+            evidence["exit_code"] = ex.exit_code
+        if ex.signal is not None:
+            evidence["signal"] = ex.signal
+        if w is not None:
+            if w.node is not None:
+                evidence["node"] = w.node[1]
+            evidence.update(
+                last_seq=w.last_seq,
+                step=w.step,
+                phase=w.phase.value,
+                since_heartbeat_ms=round((now - w.last_arrival) * 1e3, 1),
+            )
+        return Incident(
+            ex.job, ex.worker, ex.pid, rank, generation, FaultCause.PROCESS_EXIT, ex.exited_at, evidence
+        )
+
+    def silence_incident(self, w: Worker, rank: int, generation: int, now: float) -> Incident:
+        """The verdict on a worker whose heartbeats stopped."""
+        evidence = self._live.evidence(w, now)
+        evidence.update(
+            slack_ms=round(w.slack_s * 1e3, 1),
+            raw_std_interval_ms=round(w.intervals.std * 1e3, 2),
+            step=w.step,
+            phase=w.phase.value,
+            host=w.host,
+        )
+        if w.node is not None:
+            evidence["node"] = w.node[1]
+        return Incident(
+            w.job, w.worker, w.pid, rank, generation, FaultCause.HEARTBEAT_LOST, w.last_wall, evidence
+        )
+
+    def node_incident(self, n: Node, now: float) -> NodeIncident:
+        """The verdict on a node whose digests stopped (naming the workers of its last one)."""
+        evidence = self._live.evidence(n, now)
+        evidence.update(launcher=n.launcher, host=n.host, workers=len(n.workers))
+        return NodeIncident(n.job, n.node, n.launcher, tuple(w for w, _ in n.workers), n.last_wall, evidence)
+
+    def stall_incident(self, w: Worker, rank: int, generation: int, now: float) -> Incident:
+        """The verdict on a rank stalled in COMPUTE."""
+        since, since_wall = w.stall_since
+        evidence: Evidence = {
+            "phase": w.phase.value,
+            "phase_ms": round((now - since) * 1e3, 1),
+            "reported_phase_ms": round(w.phase_ms, 1),
+            "bound_ms": round(self.stall_bound(w) * 1e3, 1),
+            "step": w.step,
+            "step_ms": round(w.step_ms, 2),
+            "max_recent_step_ms": round(max(w.steps), 2) if w.steps else 0.0,
+            "step_samples": len(w.steps),
+            "last_seq": w.last_seq,
+            "phi": self._live.phi_now(w, now),
+            "host": w.host,
+        }
+        return Incident(w.job, w.worker, w.pid, rank, generation, FaultCause.STEP_STALL, since_wall, evidence)
+
+    def hang_incident(self, w: Worker, rank: int, generation: int, now: float) -> Incident:
+        """The verdict on a rank left behind in a collective its peers left."""
+        left = self.left.get((w.job, w.generation))
+        peers = sorted(p for p in left.workers if p != w.worker) if left is not None else []
+        first = left.first if left is not None else now
+        evidence: Evidence = {
+            "phase": w.phase.value,
+            "phase_ms": round((now - w.phase_start) * 1e3, 1),
+            "reported_phase_ms": round(w.phase_ms, 1),
+            "bound_ms": round(w.bound_ms, 1),
+            "slack_ms": round(self.collective_slack(w) * 1e3, 1),
+            "peers_left": ",".join(peers[:8]) + (",..." if len(peers) > 8 else ""),
+            "peers_left_count": len(peers),
+            "first_left_ms": round((now - first) * 1e3, 1),
+            "step": w.step,
+            "last_seq": w.last_seq,
+            "phi": self._live.phi_now(w, now),
+            "host": w.host,
+        }
+        if w.node is not None:
+            evidence["node"] = w.node[1]
+        return Incident(
+            w.job, w.worker, w.pid, rank, generation, FaultCause.COLLECTIVE_HANG, w.phase_start_wall, evidence
+        )

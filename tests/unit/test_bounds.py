@@ -1,0 +1,63 @@
+"""The bound of each collective a rank runs (phalanx.runtime.bounds): the gradient
+all-reduce's, learned; the first of a generation's, from the members' steps; the
+rendezvous' and the state transfer's; none above the backstop."""
+
+from __future__ import annotations
+
+import pytest
+
+from phalanx.runtime.bounds import COLLECTIVE_WINDOW, STATE_MIN_BYTES_PER_S, Bounds
+
+
+def bounds(**kw: float) -> Bounds:
+    args = {"floor_s": 2.0, "factor": 4.0, "initial_s": 60.0, "backstop_s": 120.0, "rendezvous_s": 60.0}
+    args.update(kw)
+    return Bounds(**args)
+
+
+def test_gradient_bound_is_learned_within_a_generation() -> None:
+    b = bounds()
+    assert b.first_of_generation and b.gradient_s() == 60.0  # the job's first: nobody has a step
+    for ms in (10.0, 120.0, 30.0):
+        b.record_collective(ms)
+    assert not b.first_of_generation and b.gradient_s() == 2.0  # the floor
+    b.record_collective(900.0)
+    assert b.gradient_s() == pytest.approx(3.6)
+    for _ in range(COLLECTIVE_WINDOW):
+        b.record_collective(1.0)
+    assert b.gradient_s() == 2.0  # the slow one slid out
+    b.record_collective(1e6)
+    assert b.gradient_s() == 120.0  # never above the backstop
+
+
+def test_first_all_reduce_of_a_generation_is_bounded_by_the_members_slowest_step() -> None:
+    b = bounds()
+    b.record_collective(50.0)
+    b.record_step(300.0)
+    b.record_step(900.0)
+    assert b.slowest_step_ms() == 900.0
+    b.join(slowest_step_ms=1500.0)  # a peer's step was slower: it is what the joiner waits for
+    assert b.first_of_generation and b.gradient_s() == pytest.approx(6.0)
+    b.join(slowest_step_ms=100.0)
+    assert b.gradient_s() == 2.0  # the floor
+    b.join(slowest_step_ms=0.0)  # no member has completed a step: the job's first
+    assert b.gradient_s() == 60.0
+    b.record_collective(10.0)
+    assert b.gradient_s() == 2.0  # from then on, this generation's own
+
+
+def test_rendezvous_waits_for_peers_still_in_the_generation_left() -> None:
+    b = bounds(rendezvous_s=30.0)
+    assert b.arrival_s() == 30.0  # a first generation: the job's start, or a spare
+    b.record_collective(1000.0)
+    b.leave()  # its all-reduces took up to 4 s: a peer may still sit in one that long
+    assert b.arrival_s() == pytest.approx(2.0 + 4.0)
+    assert b.connect_s() == b.exchange_s() == 2.0
+
+
+def test_state_transfer_bound_grows_with_the_state_and_the_queue() -> None:
+    b = bounds()
+    assert b.transfer_s(0, 0) == 2.0
+    assert b.transfer_s(STATE_MIN_BYTES_PER_S, 0) == pytest.approx(3.0)
+    assert b.transfer_s(STATE_MIN_BYTES_PER_S, 2) == pytest.approx(5.0)  # two receivers served first
+    assert b.transfer_s(10**15, 0) == 120.0
