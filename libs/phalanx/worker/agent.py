@@ -114,8 +114,8 @@ class Agent:
         self._hb_task = asyncio.create_task(hb.run())
 
     def close(self, timeout_s: float = 5.0, drain_s: float | None = None, *, goodbye: bool = True) -> None:
-        """Say goodbye and disconnect. Events still being published (a JetStream
-        publish retries while the server restarts) get up to ``drain_s`` first
+        """Say goodbye, then disconnect. Events still being published (a JetStream
+        publish retries while the server restarts) get up to ``drain_s`` in between
         (``PHALANX_AGENT_DRAIN_S``, 15 s): a rank that finishes its last steps while
         NATS is away must not drop its RecoveryDone on the way out.
 
@@ -125,6 +125,18 @@ class Agent:
             return
         if drain_s is None:
             drain_s = load(RankSettings).agent_drain_s
+
+        async def _goodbye() -> None:
+            # First, so that the wait for events below is not taken for a stalled step:
+            # the work is done, and the silence that follows is no fault.
+            if self._hb_task:
+                self._hb_task.cancel()
+            if self._hb is not None:
+                await self._hb.goodbye()  # the launcher's socket or NATS, as the heartbeats went
+
+        if goodbye:  # (a process exiting on an error heartbeats on while it drains)
+            with contextlib.suppress(Exception):
+                self._call(_goodbye(), timeout_s)
         pending = [f for f in list(self._in_flight) if not f.done()]
         if pending:
             _, left = concurrent.futures.wait(pending, timeout=max(0.0, drain_s))
@@ -135,9 +147,6 @@ class Agent:
             if self._hb_task:
                 self._hb_task.cancel()
             if self._bus:
-                # Say goodbye, so the detector does not take the silence for a hang.
-                if self._hb is not None and goodbye:
-                    await self._hb.goodbye()  # the launcher's socket or NATS, as the heartbeats went
                 if self._follower is not None:
                     await self._follower.stop()
                 await self._bus.close()
