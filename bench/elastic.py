@@ -49,7 +49,8 @@ from typing import Any
 
 from bench.baseline import torchrun_elastic as tre
 from phalanx.cluster import offer, reclaim
-from phalanx.devstack.localstack import JobResult, LocalStack
+from phalanx.devstack.jobwatch import JobResult
+from phalanx.devstack.localstack import LocalStack
 
 G = 48
 ELASTIC_ARGS = ["--max-nproc", "4", "--min-nproc", "2", "--cooldown", "0s", "--grace", "10s"]

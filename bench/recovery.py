@@ -84,7 +84,8 @@ from examples.corpus import DEFAULT_OUT, build_corpus
 from examples.gpt import GPT
 from examples.mlp import MLP
 from examples.train_gpt import command as train_command
-from phalanx.devstack.localstack import JobResult, LocalStack, last_logged_step
+from phalanx.devstack.jobwatch import JobResult, last_logged_step
+from phalanx.devstack.localstack import LocalStack
 from phalanx.devstack.netns import NetnsCluster
 from phalanx.tracesummary import PHASES, _from_file, incidents
 

@@ -53,7 +53,8 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from phalanx.bus import Bus
-from phalanx.checkpoint.keeper import Keeper, KeeperConfig
+from phalanx.checkpoint.keeper import Keeper
+from phalanx.checkpoint.keeperconfig import KeeperConfig
 from phalanx.checkpoint.peerauth import load_key
 from phalanx.checkpoint.slots import node_name, shm_root
 from phalanx.checkpoint.tiers import RetryPolicy, Tier

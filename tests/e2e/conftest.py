@@ -13,7 +13,8 @@ import torch
 
 from examples.train_gpt import SMALL
 from examples.train_gpt import command as train_command
-from phalanx.devstack.localstack import JobResult, LocalStack
+from phalanx.devstack.jobwatch import JobResult
+from phalanx.devstack.localstack import LocalStack
 from phalanx.devstack.netns import NetnsCluster
 
 STEPS = 16

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from phalanx.services import SERVICE_MODULES
 
 from examples.train_gpt import command as train_command
 from phalanx.bus.credentials import ENV_WORKER_CREDENTIALS
 from phalanx.contract import Action
-from phalanx.devstack.localstack import SERVICE_MODULES, LocalStack
+from phalanx.devstack.localstack import LocalStack
 from phalanx.natsauth import NatsAuth
 from tests.e2e.conftest import SMALL_GPT, STEPS, Reference
 from tests.e2e.test_recovery import actions

@@ -25,7 +25,8 @@ import torch
 
 from examples.train_gpt import command as train_command
 from phalanx.contract import Action
-from phalanx.devstack.localstack import JobResult, LocalStack
+from phalanx.devstack.jobwatch import JobResult
+from phalanx.devstack.localstack import LocalStack
 from phalanx.devstack.netns import NetnsCluster
 from tests.e2e.conftest import SMALL_GPT, netns_cluster, stack_env
 

@@ -22,7 +22,8 @@ import torch
 
 from examples.train_gpt import command as train_command
 from phalanx.contract import Action, Plan
-from phalanx.devstack.localstack import JobResult, LocalStack
+from phalanx.devstack.jobwatch import JobResult
+from phalanx.devstack.localstack import LocalStack
 from phalanx.devstack.netns import NetnsCluster
 from tests.e2e.conftest import SMALL_GPT, STEPS, netns_cluster, stack_env
 from tests.e2e.test_recovery import actions, assert_bitwise_equal, story

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from examples.train_gpt import command as train_command
-from phalanx.devstack.localstack import JobResult, LocalStack
+from phalanx.devstack.jobwatch import JobResult
+from phalanx.devstack.localstack import LocalStack
 from phalanx.tracesummary import PHASES
 from tests.e2e.conftest import SMALL_GPT, STEPS, stack_env
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from phalanx.contract import Action, FaultCause, RankHung
-from phalanx.devstack.localstack import JobResult, LocalStack
+from phalanx.devstack.jobwatch import JobResult
+from phalanx.devstack.localstack import LocalStack
 from tests.e2e.conftest import STEPS, Reference, RunJob
 
 pytestmark = pytest.mark.slow

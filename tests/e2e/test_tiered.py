@@ -24,7 +24,8 @@ from phalanx.checkpoint.catalog import Catalog
 from phalanx.checkpoint.tiers import ObjectTier
 from phalanx.contract import CheckpointEvent, decode
 from phalanx.contract.subjects import CHECKPOINT
-from phalanx.devstack.localstack import LocalStack, last_logged_step
+from phalanx.devstack.jobwatch import last_logged_step
+from phalanx.devstack.localstack import LocalStack
 from phalanx.devstack.s3server import S3Server
 from tests.e2e.conftest import SMALL_GPT, netns_cluster, stack_env
 

@@ -22,7 +22,8 @@ import torch
 
 from bench.baseline.torchrun import plain_ddp_args, run_torchrun
 from phalanx.contract import Action, FaultCause, RankHung
-from phalanx.devstack.localstack import JobResult, LocalStack
+from phalanx.devstack.jobwatch import JobResult
+from phalanx.devstack.localstack import LocalStack
 from tests.e2e.test_recovery import actions, assert_bitwise_equal, assert_recovered
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,8 @@ from nats.aio.msg import Msg
 from phalanx.bus import Bus
 from phalanx.checkpoint import Checkpointer, ManifestError, NoCheckpoint, RetentionPolicy, Tier
 from phalanx.checkpoint.catalog import Catalog
-from phalanx.checkpoint.keeper import Keeper, KeeperConfig
+from phalanx.checkpoint.keeper import Keeper
+from phalanx.checkpoint.keeperconfig import KeeperConfig
 from phalanx.checkpoint.tiers import ObjectTier, step_key
 from phalanx.contract import CheckpointEvent, decode
 from phalanx.contract.subjects import CHECKPOINT

@@ -59,7 +59,7 @@ from phalanx.checkpoint.restore import Restorer
 from phalanx.checkpoint.tiers import Store, Tier
 from phalanx.telemetry import get_logger
 
-__all__ = ["Keeper", "KeeperConfig", "MemCopy"]
+__all__ = ["Keeper"]
 
 
 class Keeper:

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from phalanx.contract import Action
-from phalanx.devstack.localstack import JobResult, LocalStack
+from phalanx.devstack.jobwatch import JobResult
+from phalanx.devstack.localstack import LocalStack
 from phalanx.telemetry import setup_logging
 from phalanx.tracesummary import _from_file, format_incident, incidents
 

@@ -52,7 +52,7 @@ from phalanx.natsauth import NatsAuth
 from phalanx.service import ping
 from phalanx.services import SERVICE_MODULES
 
-__all__ = ["SERVICE_MODULES", "JobResult", "LocalStack", "last_logged_step"]
+__all__ = ["LocalStack"]
 
 
 class LocalStack:
