@@ -39,8 +39,21 @@ def actions(result: JobResult) -> list[Action]:
 
 
 def story(result: JobResult) -> str:
-    """Every decision of the run, one per line: what an assertion shows when it fails."""
-    return "\n".join(f"gen {d.generation} {d.action.value}: {d.reason}" for d in result.decisions)
+    """The run's verdicts, reported collective errors and decisions in time order, one
+    per line (seconds from the first): what an assertion shows when it fails."""
+    events: list[tuple[float, str]] = [
+        (f.detected_at, f"{type(f).__name__} {f.worker} gen {f.generation} {f.cause.value} "
+         f"(fault at {f.fault_at:.3f}) {f.evidence}")
+        for f in result.faults
+    ]  # fmt: skip
+    events += [
+        (e.ts, f"collective_error {e.worker} gen {e.generation}: {e.error[:120]}") for e in result.comm_errors
+    ]
+    events += [(d.ts, f"decision gen {d.generation} {d.action.value}: {d.reason}") for d in result.decisions]
+    if not events:
+        return "(nothing seen)"
+    t0 = min(t for t, _ in events)
+    return "\n".join(f"{t - t0:8.3f} {what}" for t, what in sorted(events))
 
 
 def assert_recovered(result: JobResult, generation: int, nproc: int = 3) -> None:
@@ -79,8 +92,19 @@ def test_sigstop_one_rank(run_job: RunJob, reference: Reference) -> None:
     result, weights = run_job(spares=1, faults="stop:w1@step=5")
     hung = [f for f in result.faults if isinstance(f, RankHung)]
     assert [f.cause for f in hung] == [FaultCause.HEARTBEAT_LOST]
-    assert actions(result) == [Action.START, Action.REPLACE]
-    assert_recovered(result, generation=2)
+    # Its peers' all-reduce gives up after its bound and they report it; the detector's
+    # verdict usually comes long before that. On a starved machine the detector holds its
+    # verdicts while its own loop lags, and the planner's second grace can run out first:
+    # then the same members re-form (w1 named as silent, never fenced on its peers' word)
+    # and w1 is replaced when the verdict comes.
+    acts = actions(result)
+    assert acts in ([Action.START, Action.REPLACE], [Action.START, Action.REFORM, Action.REPLACE]), story(
+        result
+    )
+    if Action.REFORM in acts:
+        reform = next(d for d in result.decisions if d.action is Action.REFORM)
+        assert "['w1'] silent" in reform.reason, story(result)
+    assert_recovered(result, generation=result.plans[-1].generation)
     assert_bitwise_equal(weights, reference(3))
 
 

@@ -174,6 +174,33 @@ async def test_ensure_topology_gives_an_old_deployments_streams_and_buckets_thei
         await nc.close()
 
 
+async def test_a_rebinding_client_re_creates_what_is_lost_and_changes_nothing_that_exists(
+    nats_url: str,
+) -> None:
+    """``create_only`` (a consumer re-binding after a failure): a stream of another
+    configuration is left as it is (on a cluster, a re-bind once scaled the streams to
+    one replica while a node was down), a missing stream or bucket is made again."""
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        await ensure_topology(js)
+        events = (await js.stream_info(EVENTS.name)).config
+        await js.update_stream(events.evolve(max_bytes=events.max_bytes // 2))
+        await js.delete_stream(STREAMS[-1].name)
+        await js.delete_key_value(BUCKETS[-1])
+
+        await ensure_topology(js, create_only=True)
+
+        assert (await js.stream_info(EVENTS.name)).config.max_bytes == events.max_bytes // 2
+        assert (await js.stream_info(STREAMS[-1].name)).config.max_bytes == stream_limits(STREAMS[-1]).max_bytes
+        assert (await js.stream_info(f"KV_{BUCKETS[-1]}")).config.max_bytes == bucket_limits(BUCKETS[-1]).max_bytes
+
+        await ensure_topology(js)
+        assert (await js.stream_info(EVENTS.name)).config.max_bytes == events.max_bytes
+    finally:
+        await nc.close()
+
+
 # -- with the rendered server config: the account's quota ------------------------------------
 @dataclass
 class QuotaServer:

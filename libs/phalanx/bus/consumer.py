@@ -170,8 +170,9 @@ class Consumers:
                             await sub.unsubscribe()
                     sub = None
                     with contextlib.suppress(Exception):
-                        # bounded: a request that reached a server going down is never answered
-                        await asyncio.wait_for(ensure_topology(self.bus.js), 1.0)
+                        # Re-create what a restarted server lost; change nothing that exists.
+                        # Bounded: a request that reached a server going down is never answered.
+                        await asyncio.wait_for(ensure_topology(self.bus.js, create_only=True), 1.0)
                     await asyncio.sleep(0.2)
                     continue
                 for raw in msgs:

@@ -126,12 +126,15 @@ def stream_replicas() -> int:
     return load(StreamSettings).stream_replicas
 
 
-async def ensure_bucket(js: JetStreamContext, bucket: str, replicas: int | None = None) -> KeyValue:
+async def ensure_bucket(
+    js: JetStreamContext, bucket: str, replicas: int | None = None, *, create_only: bool = False
+) -> KeyValue:
     """The KV ``bucket``, created (history :data:`BUCKET_HISTORY`) if it does not exist.
 
     The buckets of :data:`DIRECT_BUCKETS` are created with direct gets, and an existing
     one without them is given them (a stream update: the planner's or admin's right;
-    anyone else's attempt is refused and left to the planner's next start).
+    anyone else's attempt is refused and left to the planner's next start), unless
+    ``create_only``.
     """
     try:
         kv = await js.key_value(bucket)
@@ -145,7 +148,7 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, replicas: int | None 
             replicas=stream_replicas() if replicas is None else replicas,
             direct=bucket in DIRECT_BUCKETS,
         )
-    if bucket in DIRECT_BUCKETS:
+    if bucket in DIRECT_BUCKETS and not create_only:
         await _allow_direct(js, bucket)
     return kv
 
@@ -168,10 +171,17 @@ async def leader_bucket(js: JetStreamContext, bucket: str) -> KeyValue:
     return KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=js, direct=False)
 
 
-async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> None:
-    """Create every stream and bucket, or leave them as they are if they exist.
+async def ensure_topology(
+    js: JetStreamContext, replicas: int | None = None, *, create_only: bool = False
+) -> None:
+    """Create every stream and bucket; bring an existing one to this version's
+    configuration (limits, direct gets, ``replicas``) unless ``create_only``.
 
     ``replicas`` defaults to ``PHALANX_STREAM_REPLICAS`` (1); 3 on a 3-node cluster.
+    ``create_only`` is for a client re-binding after a failure: it re-creates what a
+    server lost and changes nothing that exists. (Re-binding with a reconfiguration
+    once scaled a 3-node cluster's streams to one replica while a node was down,
+    which left a consumer without quorum.)
     """
     if replicas is None:
         replicas = stream_replicas()
@@ -198,10 +208,12 @@ async def ensure_topology(js: JetStreamContext, replicas: int | None = None) -> 
             # version's, e.g. without limits) -> update it.
             if exc.err_code != 10058:
                 raise
-            await _update(js, cfg)
+            if not create_only:
+                await _update(js, cfg)
     for bucket in BUCKETS:
-        await ensure_bucket(js, bucket, replicas)
-        await _limit_bucket(js, bucket)
+        await ensure_bucket(js, bucket, replicas, create_only=create_only)
+        if not create_only:
+            await _limit_bucket(js, bucket)
 
 
 async def _update(js: JetStreamContext, cfg: StreamConfig) -> None:

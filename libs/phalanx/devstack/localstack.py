@@ -324,6 +324,16 @@ class LocalStack:
         return result
 
     # -- several nodes --------------------------------------------------------------
+    def _stuck_report(self, job: str, nodes: list[str], result: JobResult, lines: int = 25) -> str:
+        """What a job that did not end was doing: its decisions, then the tail of each
+        node's launcher log (a failure in CI explains itself)."""
+        out = [f"gen {d.generation} {d.action.value}: {d.reason}" for d in result.decisions]
+        for node in nodes:
+            path = self.workdir / f"launcher-{job}-{node}.log"
+            tail = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+            out += [f"--- {path.name} (last {len(tail)} lines)", *tail]
+        return "\n".join(out)
+
     def node_argv(
         self,
         node: str,
@@ -414,7 +424,11 @@ class LocalStack:
             killed: set[str] = set()
             while any(p.poll() is None for p in procs.values()):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"job {job} did not end within {timeout_s:g}s")
+                    running = [n for n, p in procs.items() if p.poll() is None]
+                    raise TimeoutError(
+                        f"job {job} did not end within {timeout_s:g}s; launchers still running: "
+                        f"{running}\n{self._stuck_report(job, list(procs), result)}"
+                    )
                 done = last_logged_step(steps_log) if steps_log is not None and todo else -1
                 while todo and (todo[0][0](result) if callable(todo[0][0]) else done >= todo[0][0]):
                     result.actions_at.append(time.time())
