@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,11 @@ from phalanx.services.failure_detector.detector import Detector
 from phalanx.services.state_replication.service import StateReplication
 
 from phalanx.bus import Bus
-from phalanx.contract import Member, Plan, Role
+from phalanx.contract import Action, Member, Plan, PlanDecision, Role
 from phalanx.contract.subjects import PLAN
 from phalanx.devstack.jobwatch import JobResult
 from phalanx.devstack.natsserver import NatsServer
+from phalanx.launcher.children import Worker
 from phalanx.launcher.config import LaunchConfig
 from phalanx.launcher.launcher import Launcher
 from phalanx.policy import PolicyClient
@@ -92,6 +94,36 @@ def test_the_launcher_takes_only_newer_plans(tmp_path: Path) -> None:
         if launcher.plan is not None and (not seen or seen[-1] is not launcher.plan):
             seen.append(launcher.plan)
     assert seen == TAKEN and launcher.plan == NEWEST
+
+
+async def test_the_launcher_ends_on_a_completion_read_before_the_plan_that_took_its_members(
+    tmp_path: Path,
+) -> None:
+    """Plans and decisions come by different ways, in no order with each other: a node
+    whose members were shrunk away ends on COMPLETE even when it reads the COMPLETE while
+    its plan still names them, and the plan without them only afterwards."""
+    launcher = Launcher(LaunchConfig(job=JOB, cmd=["true"], nproc=2, log_dir=tmp_path))
+    launcher.run = "r1"
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        for r, proc in enumerate(procs):
+            launcher.workers[f"w{r}"] = Worker(f"w{r}", Role.RANK, proc, r)
+        launcher._apply_plan(plan(1, 5))
+        complete = PlanDecision(job=JOB, incident=None, action=Action.COMPLETE, reason="members finished")
+        await launcher._on_decision(complete, None)  # type: ignore[arg-type]
+        assert not launcher._done.is_set()  # its members (of the plan it has) still run
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        shrunk = plan(2, 5).model_copy(
+            update={"members": [Member(rank=0, worker="x0")], "leaving": ["w0", "w1"]}
+        )
+        launcher._apply_plan(shrunk)
+        assert launcher._done.is_set() and await launcher.wait(1) == 0
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def test_the_detector_takes_only_plans_not_older_than_its_own() -> None:

@@ -94,6 +94,8 @@ class Launcher:
         self.workers: dict[str, Worker] = {}
         self.plan: Plan | None = None
         self.decision: PlanDecision | None = None
+        self.completed: PlanDecision | None = None
+        """The planner's COMPLETE, once read: this node ends when none of its members runs."""
         self.bus: Bus | None = None
         self.store: StoreProcess | None = None
         self.digests: NodeDigestPublisher | None = None
@@ -301,6 +303,15 @@ class Launcher:
         self._check_done()
 
     def _check_done(self) -> None:
+        if self._done.is_set():
+            return
+        if self.completed is not None and not self._running_members():
+            # Checked on each plan and exit too: plans (a KV watch) and decisions (a stream)
+            # are not ordered with each other, so COMPLETE may be read before the plan that
+            # took this node's members away, or while they still finish.
+            self.log.info("job_completed", reason=self.completed.reason)
+            self._done.set()
+            return
         if self.plan is None:
             codes = {w.name: w.returncode for w in self.workers.values()}
             if codes and all(rc is not None and rc != 0 for rc in codes.values()):
@@ -362,11 +373,11 @@ class Launcher:
             self.log.error("job_stopped_by_planner", reason=d.reason)
             self.decision = d
             self._done.set()
-        elif d.action is Action.COMPLETE and not self._running_members():
+        elif d.action is Action.COMPLETE:
             # A node with spares only: nothing of it is needed any more. A node with
             # members waits for them (rank 0 may still be writing the weights).
-            self.log.info("job_completed", reason=d.reason)
-            self._done.set()
+            self.completed = d
+            self._check_done()
 
     def _running_members(self) -> list[str]:
         plan = self.plan
