@@ -282,7 +282,9 @@ async def test_bad_core_input_reports_an_error(nats_url: str, bus: Bus) -> None:
     await bus.subscribe(HEARTBEAT.wildcard(job="j1"), rec, Heartbeat)
     observer, errors = await _error_events(nats_url, "test")
     await bus.nc.publish("phalanx.hb.j1.w0", b"\x92\x01\x02", headers=_headers("heartbeat"))  # [1, 2]
-    await bus.nc.publish("phalanx.hb.j1.w0", encode(heartbeat(1))[0], headers=_headers("heartbeat", version="0"))
+    await bus.nc.publish(
+        "phalanx.hb.j1.w0", encode(heartbeat(1))[0], headers=_headers("heartbeat", version="0")
+    )
     await bus.publish(HEARTBEAT, heartbeat(2), traced=False, job="j1", worker="w0")
     await wait_for(lambda: len(errors.got) >= 2, "two ErrorEvents")
     await wait_for(lambda: len(rec.got) >= 1, "the good heartbeat")
@@ -407,6 +409,8 @@ async def test_three_node_cluster_survives_losing_the_stream_leader(tmp_path: Pa
         await _until(lambda: ensure_topology(bus.js, replicas=3), "JetStream cluster never took the streams")
         info = await bus.js.stream_info(EVENTS.name)
         assert info.config.num_replicas == 3
+        await ensure_topology(bus.js, replicas=1)  # a service without PHALANX_STREAM_REPLICAS
+        assert (await bus.js.stream_info(EVENTS.name)).config.num_replicas == 3  # never scaled down
         rec = Recorder()
         bus.consume(EVENTS, "t-cluster", [FAILED.wildcard()], rec, (RankFailed,))
         for i in range(10):

@@ -178,7 +178,7 @@ async def ensure_topology(
     configuration (limits, direct gets, ``replicas``) unless ``create_only``.
 
     ``replicas`` defaults to ``PHALANX_STREAM_REPLICAS`` (1); 3 on a 3-node cluster.
-    ``create_only`` is for a client re-binding after a failure: it re-creates what a
+    An existing stream is scaled up to ``replicas``, never down. ``create_only`` is for a client re-binding after a failure: it re-creates what a
     server lost and changes nothing that exists. (Re-binding with a reconfiguration
     once scaled a 3-node cluster's streams to one replica while a node was down,
     which left a consumer without quorum.)
@@ -209,11 +209,28 @@ async def ensure_topology(
             if exc.err_code != 10058:
                 raise
             if not create_only:
-                await _update(js, cfg)
+                await _update(js, await _keep_replicas(js, cfg))
     for bucket in BUCKETS:
         await ensure_bucket(js, bucket, replicas, create_only=create_only)
         if not create_only:
             await _limit_bucket(js, bucket)
+
+
+async def _keep_replicas(js: JetStreamContext, cfg: StreamConfig) -> StreamConfig:
+    """``cfg`` with the existing stream's replica count where that is higher: a stream is
+    never scaled down on its own (a service started without ``PHALANX_STREAM_REPLICAS``
+    on a 3-node cluster would otherwise take its streams to one replica); lower it by hand."""
+    existing = (await js.stream_info(cfg.name or "")).config.num_replicas or 1
+    if existing > (cfg.num_replicas or 1):
+        _log.warning(
+            "stream_replicas_kept",
+            stream=cfg.name,
+            replicas=existing,
+            asked=cfg.num_replicas,
+            hint="set PHALANX_STREAM_REPLICAS on every service; a stream is never scaled down on its own",
+        )
+        return cfg.evolve(num_replicas=existing)
+    return cfg
 
 
 async def _update(js: JetStreamContext, cfg: StreamConfig) -> None:
