@@ -13,14 +13,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SMOKE = {
+SMOKE = {  # module: (its tiny-size arguments, the keys its last JSON line must carry)
     # bench.checkpoint also runs bench/checkpoint_baselines.py (DCP stagers, direct to S3)
-    "checkpoint": (
+    "bench.checkpoint": (
         ["--gib", "0.01", "--saves", "1"],
         {"blocking_save_s", "digest_s", "restore_remote_s", "direct_remote_save_s", "dcp_async_blocked_s"},
     ),
-    "failover": (["--trials", "1"], {"planner_failover_s", "planner_failover_max_s", "samples_s"}),
-    "recovery": (
+    "bench.failover": (["--trials", "1"], {"planner_failover_s", "planner_failover_max_s", "samples_s"}),
+    "bench.recovery": (
         ["--quick", "--nproc", "2"],
         {"phalanx_downtime_s", "phalanx_downtime_max_s", "restart_downtime_s", "downtime_ratio"},
     ),
@@ -32,7 +32,7 @@ SMOKE = {
 def test_the_benchmark_runs_at_tiny_size_and_prints_its_json_last(name: str) -> None:
     args, keys = SMOKE[name]
     out = subprocess.run(
-        [sys.executable, "-m", f"bench.{name}", *args],
+        [sys.executable, "-m", name, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
