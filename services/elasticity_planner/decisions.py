@@ -34,6 +34,26 @@ class Decision:
     leave_by: float = 0.0  # wall time after which the leaving are fenced
 
 
+def whole_groups(by_rank: list[str | None], group_size: int) -> tuple[list[str], list[str]]:
+    """The workers of the replica groups with every member present, in rank order, and
+    the present members of the groups that lost one (None in ``by_rank``). A sharded
+    model's rank keeps its shard only when ranks go by whole groups: the first list
+    renumbered from 0 keeps every rank's position in its group.
+
+    >>> whole_groups(["w0", None, "w2", "w3"], 2)
+    (['w2', 'w3'], ['w0'])
+    >>> whole_groups(["w0", None, "w2"], 1)
+    (['w0', 'w2'], [])
+    """
+    keep: list[str] = []
+    broken: list[str] = []
+    for start in range(0, len(by_rank), group_size):
+        group = by_rank[start : start + group_size]
+        present = [w for w in group if w is not None]
+        (keep if len(present) == group_size else broken).extend(present)
+    return keep, broken
+
+
 def largest_allowed(state: JobState, at_most: int) -> int | None:
     """The largest world size the job may run at that is at most ``at_most``."""
     return next((n for n in range(min(at_most, state.max_world_size), 0, -1) if state.allowed(n)), None)

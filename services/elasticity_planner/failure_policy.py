@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from phalanx.services.elasticity_planner.decisions import Decision, Fault, largest_allowed
+from phalanx.services.elasticity_planner.decisions import Decision, Fault, largest_allowed, whole_groups
 
 from phalanx.contract import Action, JobState, Member
 
@@ -127,13 +127,19 @@ class ReplaceOrShrink:
                 removed=list(lost),
                 spares_used=list(taken.values()),
             )
-        order = [taken.get(m.worker, m.worker) for m in by_rank if m.worker not in lost or m.worker in taken]
+        slots = [
+            None if m.worker in lost and m.worker not in taken else taken.get(m.worker, m.worker)
+            for m in by_rank
+        ]
+        order, broken = whole_groups(slots, state.spec.elastic.group_size)
         short = "no spare left" if not taken else f"only {len(taken)} spare(s) for {len(lost)} lost ranks"
         size = largest_allowed(state, len(order))
         if size is not None:
             members = [Member(rank=i, worker=w) for i, w in enumerate(order[:size])]
             extra = order[size:]
             how = f"shrink to {size} ranks"
+            if broken:
+                how += f" by whole replica groups ({broken} leave: their group lost a member)"
             if extra:
                 how += f" ({len(order)} is not an allowed size: {extra} leave)"
             return Decision(
@@ -142,11 +148,11 @@ class ReplaceOrShrink:
                 members=members,
                 removed=list(lost),
                 spares_used=list(taken.values()),
-                leaving=extra,
+                leaving=[*broken, *extra],
             )
         return Decision(
             Action.STOP,
-            f"{what}, {short} and {len(order)} ranks is below "
+            f"{what}, {short} and {len(order)} ranks (in whole replica groups) is below "
             f"min_world_size={state.min_world_size} (or no allowed size fits): stopping the job",
             removed=list(lost),
         )

@@ -12,6 +12,7 @@ import re
 
 from phalanx.services.elasticity_planner.decisions import Decision
 from phalanx.services.elasticity_planner.effects import Reply
+from phalanx.services.elasticity_planner.placement import describe, lone_shards, place
 from phalanx.services.elasticity_planner.plans import Ctx, apply, numbered
 
 from phalanx.contract import Action, JobPhase, JobSpec, JobState, Member, NodeJoined, NodeState, RankExited
@@ -120,12 +121,18 @@ def maybe_start(ctx: Ctx) -> None:
     state = ctx.state
     if state.phase is not JobPhase.WAITING or len(state.live_nodes()) < state.spec.min_nodes:
         return
-    expected = [w for n in state.live_nodes() for w in state.nodes[n].workers[: state.nodes[n].ranks]]
+    nodes = [(n, state.nodes[n].workers[: state.nodes[n].ranks]) for n in state.live_nodes()]
+    expected = [w for _, workers in nodes for w in workers]
     if not expected or any(w not in state.ranks for w in expected):
         return
-    members = [Member(rank=i, worker=w) for i, w in enumerate(expected)]
+    group = state.spec.elastic.group_size
+    order = place(nodes, group)
+    members = [Member(rank=i, worker=w) for i, w in enumerate(order)]
     state.start_world = len(members)
     reason = f"{len(members)} ranks registered on {len(state.live_nodes())} node(s)"
+    if warning := describe(lone_shards(order, {w: state.node_of(w) for w in order}, group), group):
+        reason += f"; {warning}"
+        ctx.log("placement_unsafe", level="warning", detail=warning)
     apply(ctx, None, Decision(Action.START, reason, members=members))
 
 

@@ -117,6 +117,7 @@ def apply(ctx: Ctx, incident: str | None, d: Decision, proposal: str | None = No
             store_prefix=f"{ctx.job}/gen{generation}",
             store_addr=_store_for(state),
             launch=state.run,
+            group_size=state.spec.elastic.group_size,
             nodes={w: n for w in workers if (n := state.node_of(w)) is not None},
             lost_launchers=list(state.lost_launchers),
             lost_hosts=_lost_hosts(state),

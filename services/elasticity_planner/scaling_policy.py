@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from phalanx.services.elasticity_planner.decisions import Decision, largest_allowed, size_rule
+from phalanx.services.elasticity_planner.decisions import Decision, largest_allowed, size_rule, whole_groups
 
 from phalanx.contract import Action, JobPhase, JobState, Member
 
@@ -71,25 +71,28 @@ class GrowIntoSpares:
             )
         spares = state.usable_spares(exclude=gone)
         taken = dict(zip(leaving_members, spares, strict=False))
-        order = [taken.get(w, w) for w in members if w not in gone or w in taken]
+        slots = [None if w in gone and w not in taken else taken.get(w, w) for w in members]
+        order, broken = whole_groups(slots, state.spec.elastic.group_size)
         size = largest_allowed(state, len(order))
         if size is None:
             return Decision(
                 Action.STOP,
                 f"{why}: {len(order)} ranks would be left, below min_world_size={state.min_world_size} "
                 "(or no allowed size fits): stopping the job",
-                leaving=[*leaving_members, *leaving_spares],
+                leaving=[*leaving_members, *leaving_spares, *broken],
                 planned=True,
                 leave_by=leave_by,
             )
-        extra = order[size:]
+        extra = [*order[size:], *broken]
         how = ", ".join(f"spare {s} takes {w}'s rank {plan.rank_of(w)}" for w, s in taken.items())
         action = Action.REPLACE if size == plan.world_size and not extra else Action.SHRINK
         reason = (
             f"{why}: {how or 'no spare'}; {'keep' if action is Action.REPLACE else 'shrink to'} {size} ranks"
         )
-        if extra:
-            reason += f" ({extra} leave too: {len(order)} is not an allowed size)"
+        if broken:
+            reason += f" ({broken} leave too: their replica group lost a member)"
+        if order[size:]:
+            reason += f" ({order[size:]} leave too: {len(order)} is not an allowed size)"
         return Decision(
             action,
             reason,

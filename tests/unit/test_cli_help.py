@@ -49,7 +49,8 @@ def test_help_renders(path: str, command: click.Command, capsys: pytest.CaptureF
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["run", "--nproc", "0", "--", "python", "t.py"], "0 is not in the range x>=1"),
+        (["run", "--nproc", "0", "--", "python", "t.py"], "--nproc 0 starts a node of hot spares only"),
+        (["run", "--nproc", "-1", "--", "python", "t.py"], "-1 is not in the range x>=0"),
         (["run", "--nproc", "2"], "give the training command after --"),
         (
             ["run", "--nproc", "2", "--nnodes", "3:2", "--", "python", "t.py"],

@@ -63,6 +63,7 @@ def elastic_settings(
     max_accum: int,
     lr_rule: str,
     auto_grow: bool,
+    group_size: int = 1,
 ) -> Elastic:
     """The job's elasticity from ``phalanx run``'s options (a clear ValueError if inconsistent)."""
     from phalanx.cluster import parse_grace
@@ -82,6 +83,7 @@ def elastic_settings(
             max_accum=max_accum,
             lr_rule=LrRule(lr_rule),
             auto_grow=auto_grow,
+            group_size=group_size,
         )
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
@@ -161,9 +163,9 @@ def launch(config: LaunchConfig, timeout_s: float | None, private: bool, workdir
     "--nproc",
     "--nproc-per-node",
     "nproc",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=0),
     required=True,
-    help="Ranks to start on this node.",
+    help="Ranks to start on this node (0: a node of hot spares only, with --spares).",
 )
 @click.option(
     "--spares",
@@ -219,6 +221,14 @@ def launch(config: LaunchConfig, timeout_s: float | None, private: bool, workdir
     default=1,
     show_default=True,
     help="World sizes must be multiples of this.",
+)
+@click.option(
+    "--group-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Ranks per replica group of a sharded model (FSDP2/HSDP: the shard count of job.mesh); the job"
+    " grows and shrinks by whole groups and each rank keeps its shard.",
 )
 @click.option("--cooldown", default="10s", show_default=True, help="No grow sooner than this after a change.")
 @click.option(
@@ -285,6 +295,7 @@ def run_command(
     max_nproc: int,
     sizes: str | None,
     size_step: int,
+    group_size: int,
     cooldown: str,
     grace: str,
     micro_batch: int,
@@ -307,11 +318,14 @@ def run_command(
 
     if not cmd:
         raise Failed("give the training command after --, e.g. `phalanx run --nproc 2 -- python train.py`")
+    if nproc + spares < 1:
+        raise Failed("--nproc 0 starts a node of hot spares only: give it --spares N")
     try:
         min_nodes, max_nodes = parse_nnodes(nnodes)
         elastic = elastic_settings(
             max_nproc=max_nproc, sizes=sizes, size_step=size_step, cooldown=cooldown, grace=grace,
             micro_batch=micro_batch, max_accum=max_accum, lr_rule=lr_rule, auto_grow=auto_grow,
+            group_size=group_size,
         )  # fmt: skip
     except ValueError as exc:
         raise Failed(str(exc)) from None

@@ -237,6 +237,12 @@ class Elastic(Message):
     ``micro_batch`` x ``max_accum`` caps what one replica trains per step (0: no
     cap); when the global batch does not fit under the cap, each replica trains
     its capped share and the learning rate follows ``lr_rule``.
+
+    ``group_size`` > 1 is a sharded model's (FSDP2, HSDP): ranks come in replica
+    groups of that many, rank ``r`` holding shard ``r % group_size``. The job then
+    grows and shrinks by whole groups only, and a rank keeps its shard for life
+    (a shrink drops the groups that lost a member instead of renumbering ranks
+    across groups).
     """
 
     max_world_size: int = Field(
@@ -257,6 +263,12 @@ class Elastic(Message):
         default=True,
         description="The planner grows on its own; False: only a policy's proposals grow the job.",
     )
+    group_size: int = Field(
+        default=1,
+        ge=1,
+        le=65536,
+        description="Ranks per replica group of a sharded model (its shard count); 1: replicated (DDP).",
+    )
 
     @model_validator(mode="after")
     def _valid(self) -> Elastic:
@@ -264,10 +276,21 @@ class Elastic(Message):
             raise ValueError(f"allowed sizes must be >= 1, got {self.sizes}")
         if self.max_accum and not self.micro_batch:
             raise ValueError("max_accum needs micro_batch")
+        if self.max_world_size % self.group_size:
+            raise ValueError(
+                f"max_world_size {self.max_world_size} is no multiple of group_size {self.group_size}"
+            )
+        if bad := [n for n in self.sizes if n % self.group_size]:
+            raise ValueError(f"allowed sizes {bad} are no multiples of group_size {self.group_size}")
         return self
 
     def allowed(self, world: int) -> bool:
-        return world >= 1 and world % self.size_step == 0 and (not self.sizes or world in self.sizes)
+        return (
+            world >= 1
+            and world % self.size_step == 0
+            and world % self.group_size == 0
+            and (not self.sizes or world in self.sizes)
+        )
 
 
 class BatchPlan(Message):
@@ -335,6 +358,10 @@ class JobSpec(JobMessage):
     def _sizes(self) -> JobSpec:
         if self.min_nodes > self.max_nodes:
             raise ValueError("need min_nodes <= max_nodes")
+        if self.min_world_size % self.elastic.group_size:
+            raise ValueError(
+                f"min_world_size {self.min_world_size} is no multiple of group_size {self.elastic.group_size}"
+            )
         if self.ranks > len(self.workers):
             raise ValueError("more ranks than workers")
         if len(set(self.workers)) != len(self.workers):
@@ -408,6 +435,9 @@ class Plan(JobMessage):
         default="", max_length=300, description="host:port of the store this generation meets on."
     )
     launch: str = Field(default="", max_length=64, description="The job-level run this plan belongs to.")
+    group_size: int = Field(
+        default=1, ge=1, le=65536, description="Ranks per replica group (the job's elastic.group_size)."
+    )
     nodes: dict[WorkerId, NodeId] = Field(
         default_factory=dict, description="The node of every member and spare (worker -> node)."
     )
@@ -536,6 +566,9 @@ class RecoveryDone(JobMessage):
     step: int
     incident: str | None
     phases_ms: dict[str, float]
+    bytes_received: int = Field(
+        default=0, ge=0, description="state bytes this rank received from a peer in the recovery (0: none)"
+    )
 
 
 CopyState = Literal["complete", "corrupt", "deleted", "failed", "served", "skipped"]

@@ -41,7 +41,7 @@ from typing import Any
 
 from phalanx.bus import Bus
 from phalanx.bus.auth import ENV_NATS_PASSWORD, ENV_NATS_USER
-from phalanx.contract import PlanDecision
+from phalanx.contract import Elastic, PlanDecision
 from phalanx.contract.permissions import ROLE_OF_SERVICE
 from phalanx.devstack.jobwatch import JobResult, last_logged_step, observe, wait_ended
 from phalanx.devstack.natsserver import NatsServer
@@ -288,6 +288,7 @@ class LocalStack:
         global_batch: int = 16,
         timeout_s: float = 300.0,
         env: dict[str, str] | None = None,
+        elastic: Elastic | None = None,
     ) -> JobResult:
         result = JobResult(job, -1, 0.0)
         bus = await self._observer(job)
@@ -309,6 +310,7 @@ class LocalStack:
                     **(env or {}),
                 },
                 log_dir=self.workdir / "logs" / job,
+                elastic=elastic or Elastic(),
             )
         )
         t0 = time.time()
