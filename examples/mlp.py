@@ -69,8 +69,12 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def parse_args(argv: list[str] | None = None, doc: str | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: list[str] | None = None, doc: str | None = None, sharded: bool = False
+) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=doc)
+    if sharded:
+        p.add_argument("--replicas", type=int, default=2, help="HSDP replica groups (the rest shard)")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps to train")
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
     p.add_argument("--samples", type=int, default=4096, help="dataset size (an epoch)")
@@ -82,6 +86,8 @@ def parse_args(argv: list[str] | None = None, doc: str | None = None) -> argpars
     p.add_argument("--save", help="rank 0 writes the final weights (state_dict) here")
     p.add_argument("--steps-log", help="rank 0 appends one JSON line per step: step, ms, loss")
     args = p.parse_args(argv)
+    if sharded and args.replicas < 1:
+        p.error("--replicas must be >= 1")
     if args.steps < 0 or args.batch_size < 1 or args.samples < 1 or not 0.0 <= args.dropout < 1.0:
         p.error("--steps must be >= 0, --batch-size and --samples >= 1, --dropout in [0, 1)")
     return args
@@ -101,7 +107,8 @@ class StepLog:
         if self.file is not None and rank == 0:
             ms = (now - self.last) * 1000.0
             self.file.write(
-                json.dumps({"step": step + 1, "ms": ms, "loss": float(loss), "ts": time.time()}) + "\n"
+                json.dumps({"step": step + 1, "ms": ms, "loss": float(loss.detach()), "ts": time.time()})
+                + "\n"
             )
             self.file.flush()
         self.last = now
@@ -112,4 +119,17 @@ def save_weights(model: nn.Module, path: str | None) -> None:
     if path:
         tmp = f"{path}.tmp.{os.getpid()}"
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
+        Path(tmp).replace(path)
+
+
+def save_full_weights(model: nn.Module, path: str | None, rank: int) -> None:
+    """A sharded (FSDP2) model's full weights, gathered on every rank (a collective:
+    every rank calls it) and written by ``rank`` 0 like :func:`save_weights` (under
+    Phalanx ``job.rank``: -1 on a worker the job left behind)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if path and rank == 0:
+        tmp = f"{path}.tmp.{os.getpid()}"
+        torch.save({k: v.detach().cpu() for k, v in full.items() if isinstance(v, torch.Tensor)}, tmp)
         Path(tmp).replace(path)

@@ -51,7 +51,11 @@ def estack(cluster: NetnsCluster, tmp_path_factory: pytest.TempPathFactory) -> I
     with LocalStack(
         tmp_path_factory.mktemp("estack"),
         services=("failure-detector", "elasticity-planner", "scheduler-signal"),
-        env=stack_env(tmp_path_factory),
+        # These tests resize jobs; none measures detection. The phi detector's floor on
+        # the heartbeat deviation (20 ms) makes 230 ms of silence a hang; with four
+        # FSDP ranks on this 2-core box a rank was starved that long now and then
+        # (about once a minute), so here the floor is 60 ms (about 400 ms of silence).
+        env={**stack_env(tmp_path_factory), "PHALANX_DETECTOR_MIN_STD_MS": "60"},
         cluster=cluster,
     ) as s:
         yield s
@@ -298,3 +302,41 @@ def test_with_exact_reduce_a_resized_run_is_bitwise_the_fixed_run(estack: LocalS
     a = torch.load(tmp_path / "exact-fixed.pt")
     b = torch.load(tmp_path / "exact-resized.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# FSDP2 HSDP (2, 2): one replica group per node; the job shrinks and grows by whole groups.
+SHARDED_STEPS = 400  # long enough (~15 s) for two spares to start after the shrink
+SHARDED = [sys.executable, "-m", "tests.workers.fsdp_worker", "--replicas", "2", "--batch-size", "16",
+           "--samples", "512", "--hidden", "128", "--depth", "2", "--steps", str(SHARDED_STEPS)]  # fmt: skip
+
+
+def run_sharded(estack: LocalStack, out: Path, job: str, **kwargs: object) -> tuple[JobResult, Steps]:
+    steps_log = out / f"{job}.steps"
+    result = estack.run_nodes(
+        job, [*SHARDED, "--steps-log", str(steps_log)], nodes=LAYOUT, global_batch=64, steps_log=steps_log,
+        launcher_args=[*ELASTIC, "--group-size", "2"], timeout_s=240, **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert result.returncode == 0, (result.node_returncodes, result.decisions)
+    return result, [json.loads(line) for line in steps_log.read_text().splitlines() if line.strip()]
+
+
+def test_a_sharded_job_shrinks_by_a_replica_group_and_grows_back_by_one_holding_its_global_batch(
+    estack: LocalStack, tmp_path: Path
+) -> None:
+    fixed_result, fixed = run_sharded(estack, tmp_path, "elsh-fixed")
+    assert [p.world_size for p in fixed_result.plans] == [4]
+
+    def offer_two(r: JobResult) -> None:  # to the node the surviving group runs on
+        plan = max(r.plans, key=lambda p: p.generation)
+        cluster_cli(estack, "offer", "2", "--node", plan.nodes[plan.members[0].worker])
+
+    shrunk = lambda r: any(d.action is Action.SHRINK for d in r.decisions)  # noqa: E731
+    result, steps = run_sharded(
+        estack, tmp_path, "elsh", faults="kill:b-w1@step=5", actions=[(shrunk, offer_two)]
+    )
+    assert membership(result) == [(Action.START, 4), (Action.SHRINK, 2), (Action.GROW, 4)], result.decisions
+    shrink = next(d for d in result.decisions if d.action is Action.SHRINK)
+    assert "whole replica groups" in shrink.reason and "b-w0" in shrink.reason, shrink.reason
+    assert {s["world"] for s in steps} == {4, 2}  # some steps ran on one replica group
+    # the global batch (64) was held: two loader batches per rank at world 2
+    assert max_rel_diff(steps, fixed) <= RTOL

@@ -227,3 +227,62 @@ def _victim(cluster: NetnsCluster, result: JobResult, *, store: bool) -> str:
         return store_node
     rank0 = plan.nodes[next(m.worker for m in plan.members if m.rank == 0)]
     return next(n for n in LAYOUT if n not in (rank0, store_node))
+
+
+# HSDP on a (2, 2) mesh, a replica group per node, the spares on a third node.
+SHARDED = {"a": (2, 0), "b": (2, 0), "c": (0, 2)}
+
+
+@pytest.fixture(scope="module")
+def run_sharded(mstack: LocalStack, tmp_path_factory: pytest.TempPathFactory) -> RunNodes:
+    from tests.e2e.test_sharded import PORT
+    from tests.e2e.test_sharded import STEPS as SHARDED_STEPS
+
+    out = tmp_path_factory.mktemp("mn-sharded")
+    counter = iter(range(1_000_000))
+
+    def run(**kwargs: object) -> tuple[JobResult, dict[str, torch.Tensor] | None]:
+        job = f"mns{next(counter)}"
+        save, steps_log = out / f"{job}.pt", out / f"{job}.steps"
+        cmd = [*PORT, "--steps", str(SHARDED_STEPS), "--save", str(save), "--steps-log", str(steps_log)]
+        result = mstack.run_nodes(
+            job, cmd, nodes=SHARDED, global_batch=64, steps_log=steps_log, timeout_s=240,
+            launcher_args=["--group-size", "2"], **kwargs,
+        )  # fmt: skip
+        return result, (torch.load(save) if save.exists() else None)
+
+    return run
+
+
+def test_a_node_holding_a_whole_replica_group_is_replaced_from_the_other_group(
+    run_sharded: RunNodes, cluster: NetnsCluster
+) -> None:
+    from tests.e2e.test_sharded import assert_one_shard_moved
+
+    reference, ref_weights = run_sharded()
+    assert reference.returncode == 0, (reference.node_returncodes, reference.decisions)
+    # the placement: each replica group on one node, the two groups on different nodes
+    assert len(set(_groups_nodes(reference.plans[0]))) == 2, reference.plans[0]
+    assert "placement" not in reference.decisions[0].reason  # every shard has a replica on each node
+
+    def kill_group_1(r: JobResult) -> None:
+        cluster.kill_node(_groups_nodes(r.plans[0])[1])  # not rank 0's: it writes the steps log
+
+    result, weights = run_sharded(actions=[(5, kill_group_1)])
+    lost = _groups_nodes(result.plans[0])[1]
+    assert [n.node for n in result.node_losses] == [lost], story(result)
+    assert actions(result) == [Action.START, Action.REPLACE], story(result)
+    plan = final(result)
+    assert _groups_nodes(plan) == (_groups_nodes(result.plans[0])[0], "c"), plan  # group 1 now on c
+    assert result.returncode == 0, result.node_returncodes
+    assert_bitwise_equal(weights, ref_weights)
+    joiners = {m.worker for m in plan.members if plan.nodes[m.worker] == "c"}
+    assert len(joiners) == 2
+    assert_one_shard_moved(result, joiners)
+
+
+def _groups_nodes(plan: Plan) -> tuple[str, ...]:
+    """The node of each replica group of 2 (both its ranks on it, or a failure)."""
+    by_rank = [plan.nodes[m.worker] for m in sorted(plan.members, key=lambda m: m.rank)]
+    assert all(by_rank[g] == by_rank[g + 1] for g in range(0, len(by_rank), 2)), by_rank
+    return tuple(by_rank[::2])

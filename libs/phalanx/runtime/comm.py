@@ -89,6 +89,7 @@ member that dies inside it leaves the others waiting for the NCCL bootstrap.)
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -435,6 +436,11 @@ class Communicator:
         self._stores: dict[str, dist.Store] = {}
         self._lock = threading.Lock()  # the group, as another thread (an abort) sees it
         self._group: Group | None = None
+        # A device mesh's shape (set_mesh): each generation also gets, per dimension,
+        # the group of the members that differ from this rank along it only.
+        self.mesh_shape: tuple[int, ...] = ()
+        self._lines: list[Group] = []
+        self._listeners: list[Callable[[Communicator], None]] = []
 
     # -- stores --------------------------------------------------------------------------
     def store_at(self, addr: str = "") -> dist.Store:
@@ -452,6 +458,75 @@ class Communicator:
             except Exception as exc:  # a malformed address, DistNetworkError, a timeout
                 raise CommError(f"store {addr} unreachable: {exc}") from exc
         return store
+
+    # -- a device mesh over the generation ---------------------------------------------------
+    def set_mesh(self, shape: tuple[int, ...]) -> None:
+        """From the next :meth:`configure` on, also build one group per dimension of a
+        mesh of ``shape`` over the generation's ranks (row-major, as
+        ``torch.arange(world).view(shape)``). The first dimension may be -1: as many
+        as the generation's world size makes (replica groups come and go)."""
+        if not shape or any(d < 1 for d in shape[1:]) or not (shape[0] >= 1 or shape[0] == -1):
+            raise ValueError(f"mesh shape {shape}: dimensions >= 1 (the first may be -1)")
+        self.mesh_shape = tuple(shape)
+
+    def mesh_for(self, world_size: int) -> tuple[int, ...]:
+        """The mesh shape at ``world_size`` ranks; :class:`CommError` when it does not fit."""
+        shape = self.mesh_shape
+        rest = math.prod(shape[1:])
+        if shape[0] == -1 and world_size % rest == 0:
+            return (world_size // rest, *shape[1:])
+        if shape[0] != -1 and math.prod(shape) == world_size:
+            return shape
+        raise CommError(f"{world_size} ranks do not make the mesh {shape}")
+
+    def line(self, dim: int) -> Group:
+        """The group of the generation held along mesh dimension ``dim``."""
+        lines = self._lines
+        if not lines:
+            raise CommError("no communicator: this rank is between generations")
+        return lines[dim]
+
+    def on_change(self, listener: Callable[[Communicator], None]) -> None:
+        """Call ``listener(self)`` after each :meth:`configure` and :meth:`release`
+        (:mod:`phalanx.runtime.mesh` re-points the process groups a model holds)."""
+        self._listeners.append(listener)
+
+    def _notify(self) -> None:
+        for listener in self._listeners:
+            listener(self)
+
+    def _build_lines(
+        self, store: dist.Store, prefix: str, rank: int, world_size: int, connect_s: float
+    ) -> list[Group]:
+        """This rank's group along each mesh dimension, built in dimension order by
+        every member (so no two members wait on each other in a different order)."""
+        shape = self.mesh_for(world_size)
+        coords = torch.arange(math.prod(shape)).view(shape)
+        where = [int(c) for c in (coords == rank).nonzero()[0]]
+        lines: list[Group] = []
+        try:
+            for dim in range(len(shape)):
+                index = list(where)
+                index[dim] = slice(None)  # type: ignore[call-overload]
+                ranks = [int(r) for r in coords[tuple(index)].tolist()]
+                key = "_".join(str(c) for i, c in enumerate(where) if i != dim)
+                lines.append(
+                    Group(
+                        store,
+                        f"{prefix}/dim{dim}/{key}",
+                        ranks.index(rank),
+                        len(ranks),
+                        self.backstop_s,
+                        bind=self.bind,
+                        device=self.device,
+                        connect_timeout_s=connect_s,
+                    )
+                )
+        except CommError:
+            for group in lines:
+                group.destroy()
+            raise
+        return lines
 
     # -- generations -----------------------------------------------------------------------
     def configure(
@@ -493,10 +568,18 @@ class Communicator:
             device=self.device,
             connect_timeout_s=connect_s,
         )
+        lines: list[Group] = []
+        if self.mesh_shape:
+            try:
+                lines = self._build_lines(store, plan.store_prefix, rank, plan.world_size, connect_s)
+            except CommError:
+                group.destroy()
+                raise
         with self._lock:
-            self._group = group
+            self._group, self._lines = group, lines
             self.generation, self.rank, self.world_size = plan.generation, rank, plan.world_size
         self.device = group.device
+        self._notify()
 
     @property
     def configured(self) -> bool:
@@ -517,10 +600,18 @@ class Communicator:
     def release(self) -> None:
         """Drop the group held at once (:meth:`Group.destroy`): peers blocked on this
         rank fail fast. Idempotent."""
+        t0 = time.monotonic()
         with self._lock:
             group, self._group = self._group, None
+            lines, self._lines = self._lines, []
+        for held in [group, *lines]:
+            if held is not None:
+                held.destroy()
         if group is not None:
-            group.destroy()
+            self._notify()
+        ms = (time.monotonic() - t0) * 1000.0
+        if ms > 100.0:  # dropping a group runs its destructor here, in this thread
+            _log.warning("comm_release_slow", generation=self.generation, ms=round(ms, 1))
 
     def abort(self, below: int | None = None) -> None:
         """End the op in flight now, from any thread (:meth:`Group.abort`); with
@@ -530,29 +621,32 @@ class Communicator:
             group = self._group
             if group is None or (below is not None and self.generation >= below):
                 return
-        group.abort()
+            lines = list(self._lines)
+        for held in [group, *lines]:
+            held.abort()
 
     # -- collectives of the generation held ----------------------------------------------
-    def _held(self) -> Group:
+    def held(self) -> Group:
+        """The generation's group; :class:`CommError` between generations."""
         group = self._group
         if group is None:
             raise CommError("no communicator: this rank is between generations")
         return group
 
     def allreduce_sum_(self, t: torch.Tensor, timeout_s: float | None = None) -> None:
-        self._held().allreduce_sum_(t, timeout_s or self.backstop_s)
+        self.held().allreduce_sum_(t, timeout_s or self.backstop_s)
 
     def allreduce_work(self, t: torch.Tensor, timeout_s: float | None = None) -> dist.Work:
-        return self._held().allreduce_work(t, timeout_s or self.backstop_s)
+        return self.held().allreduce_work(t, timeout_s or self.backstop_s)
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0, timeout_s: float | None = None) -> None:
-        self._held().send(t, dst, tag, timeout_s or self.backstop_s)
+        self.held().send(t, dst, tag, timeout_s or self.backstop_s)
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0, timeout_s: float | None = None) -> None:
-        self._held().recv(t, src, tag, timeout_s or self.backstop_s)
+        self.held().recv(t, src, tag, timeout_s or self.backstop_s)
 
     def barrier(self, timeout_s: float | None = None) -> None:
-        self._held().barrier(timeout_s or self.backstop_s)
+        self.held().barrier(timeout_s or self.backstop_s)
 
 
 def _abort_quietly(backend: C10dBackend, prefix: str) -> None:

@@ -11,7 +11,11 @@ A comma-separated list of ``action:worker@point``:
   heartbeats go on: its peers' per-op timeouts fire; not at ``recovery=G``);
 - points: ``step=N`` (in step N, before the gradient all-reduce, so peers are
   left blocked in the collective: after the backward pass under the Trainer, as
-  DDP hands over its first gradient bucket in the user's own loop),
+  DDP hands over its first gradient bucket in the user's own loop; with a
+  sharded model (``job.mesh``) as the step's first collective starts, the
+  forward's first all-gather, at the step boundary), ``reduce=N`` (a sharded
+  model's step N, as its first gradient reduce-scatter starts: mid-step, in the
+  backward pass),
   ``collective=G`` (the same place in the first step of generation G: its first
   gradient all-reduce), ``recovery=G`` (as the worker starts joining generation
   G, before its rendezvous), ``rendezvous=G`` (inside G's rendezvous, once every

@@ -43,6 +43,7 @@ from phalanx.worker.agent import Agent
 from phalanx.worker.status import RankStatus
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
@@ -94,6 +95,13 @@ class Job:
     def ddp(self, module: torch.nn.Module, **kwargs: Any) -> DistributedDataParallel:
         """``DistributedDataParallel(module, **kwargs)`` over Phalanx's generations."""
         return self.loop.ddp(module, **kwargs)
+
+    def mesh(self, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+        """What ``init_device_mesh(device_type, shape, mesh_dim_names=names)`` gives a
+        torchrun script, for FSDP2 and HSDP (``(replicate, shard)``): a ``DeviceMesh``
+        whose process groups follow the generations (:mod:`phalanx.runtime.mesh`).
+        Blocks until a plan gives this worker a rank."""
+        return self.loop.mesh(shape, names, self.device)
 
     def track(self, **objects: Any) -> None:
         """Name what moves to a joiner: objects with ``state_dict``/``load_state_dict``."""

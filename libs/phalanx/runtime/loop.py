@@ -72,7 +72,7 @@ import gc
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -84,9 +84,15 @@ from torch.utils.data import DataLoader
 from phalanx.contract import Phase, Plan
 from phalanx.runtime.buckets import Layout, LayoutError, Remap, done, layout_of
 from phalanx.runtime.comm import CommError, Group
-from phalanx.runtime.sampler import ElasticSampler
+from phalanx.runtime.mesh import Mesh
+from phalanx.runtime.sampler import ElasticSampler, concat, per_step
 from phalanx.runtime.session import Member, RecoveryError, Removed, Session
+from phalanx.runtime.sharded import StepGuard, load_shards, mesh_for_job
+from phalanx.runtime.shards import to_local
 from phalanx.telemetry import get_logger
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 _ids = itertools.count()
 
@@ -114,11 +120,15 @@ class UserLoop:
         self.tracked: dict[str, Any] = {}
         self.session: Session | None = None
         self._ddp: DistributedDataParallel | None = None
+        self._mesh: Mesh | None = None  # job.mesh(): FSDP2/HSDP instead of DDP
+        self._device = torch.device("cpu")  # the mesh's
         self._local: Group | None = None  # the one-rank group DDP is built on
         self._param_index: dict[int, int] = {}
         # The step in flight.
         self._in_step = False
         self._failed: CommError | None = None
+        self._stepped = False  # the tracked optimizers stepped in the step in flight
+        self._late: CommError | None = None  # a collective of the step failed after that
         self._hooked = False
         self._buckets: dict[int, list[int]] = {}
         # The generation's layout (None: DDP's first-iteration buckets, everyone's),
@@ -164,6 +174,16 @@ class UserLoop:
         self._ddp = ddp
         return ddp
 
+    def mesh(self, shape: tuple[int, ...], names: tuple[str, ...], device: torch.device) -> DeviceMesh:
+        """A ``DeviceMesh`` of ``shape`` whose groups follow the generations
+        (:mod:`phalanx.runtime.sharded`); blocks until a plan gives this worker a rank."""
+        if self._mesh is not None or self._ddp is not None:
+            raise RuntimeError("a job has one job.mesh() or one job.ddp(), and calls it once")
+        self._mesh = mesh_for_job(self.job, tuple(shape), tuple(names), device)
+        self._mesh.set_guard(StepGuard(self, self._mesh))
+        self._device = device
+        return self._mesh.device_mesh
+
     def track(self, **objects: Any) -> None:
         """What moves to a joiner, by name: objects with ``state_dict`` and
         ``load_state_dict`` (model, optimizer, scheduler, sampler, your own).
@@ -186,8 +206,10 @@ class UserLoop:
         returns. A step whose collective failed is yielded again after recovery.
         Once the last step is done, the worker leaves the job (``job.close()``).
         """
-        if self._ddp is None:
-            raise RuntimeError("job.steps() needs the model wrapped by job.ddp(model) first")
+        if self._ddp is None and self._mesh is None:
+            raise RuntimeError(
+                "job.steps() needs the model wrapped by job.ddp(model), or a job.mesh(), first"
+            )
         sampler = getattr(loader, "sampler", None)
         if not isinstance(sampler, ElasticSampler) or loader.batch_size is None:
             raise TypeError(
@@ -198,8 +220,14 @@ class UserLoop:
             raise ValueError("total must be >= 0")
         self._sampler, self._loader = sampler, loader
         self._prepare_tracking()
-        device = next((p.device for p in self._ddp.parameters()), torch.device("cpu"))
-        session = self.session = Session(self.job, self, device=device)
+        if self._ddp is not None:
+            device = next((p.device for p in self._ddp.parameters()), torch.device("cpu"))
+            session = self.session = Session(self.job, self, device=device)
+        else:
+            assert self._mesh is not None
+            session = self.session = Session(
+                self.job, self, device=self._device, position=self._mesh.position
+            )
         try:
             session.start(self._restore)
             while session.step < total:
@@ -218,17 +246,19 @@ class UserLoop:
                     self._in_step = False
                 failed = self._failed
                 if failed is not None:
-                    self._roll_back(saved)
+                    _roll_back(saved)
                     session.reconfigure(failed, self._restore)
                     continue
-                switch, late = self._vote(session)
+                # a collective failed after the update (a metric's): the step stands
+                switch, late = (False, self._late) if self._late else self._vote(session)
                 self._held = None
-                sampler.advance(loader.batch_size * session.world_size)
+                sampler.advance(loader.batch_size * session.world_size * self._per_step(session.world_size))
                 loss = None if self._loss is None else float(self._loss)
                 session.committed((time.perf_counter() - t0) * 1000.0, wall0, loss)
                 if late is not None or switch:  # a peer died after the step, or a planned resize
                     session.reconfigure(late, self._restore)
-            session.finish()
+            # A sharded model's full state dict is gathered after the loop: its groups stay.
+            session.finish(release=self._mesh is None)
             self.job.close()  # every step is done: this worker leaves the job (goodbye)
         except Removed:
             self.log.warning("removed_from_job", generation=session.generation)
@@ -260,7 +290,8 @@ class UserLoop:
     # -- what moves to a joiner (the Session's Stateful) ---------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
-            "tracked": {name: obj.state_dict() for name, obj in self.tracked.items()},
+            # a sharded model's DTensors as their local shards: only those move
+            "tracked": {name: to_local(obj.state_dict()) for name, obj in self.tracked.items()},
             # the RNG state before the step in flight's batch was fetched (now, if not yet)
             "rng": self._rng_before
             if self.session is not None and self._rng_step == self.session.step
@@ -276,7 +307,10 @@ class UserLoop:
         for name, obj in self.tracked.items():
             if fresh and obj is self._sampler:
                 continue  # everyone starts the epoch at 0 already
-            obj.load_state_dict(tracked[name])
+            got = tracked[name]
+            if self._mesh is not None:  # the shards back into DTensors laid out like ours
+                got = load_shards(obj, got, name)
+            obj.load_state_dict(got)
         if not fresh:  # a fresh job keeps each rank's own RNG, as under torchrun
             set_rng_state(state["rng"])
             self._received = True
@@ -295,7 +329,7 @@ class UserLoop:
             self._on_resize(old, world_size, session.plan)
         layout = self._source_layout if self._received else self._layout
         if layout is None and self._reducer_used:
-            self._remake_reducer()  # everyone starts over with DDP's first-iteration buckets
+            _remake_reducer(self)  # everyone starts over with DDP's first-iteration buckets
         self._layout = layout
         self._source_layout = None
         key = (session.step, world_size, rank)
@@ -308,6 +342,14 @@ class UserLoop:
             set_rng_state(self._rng_after)  # redo with the batch in hand, as it was drawn
         self._received = False
         self._batch(world_size, rank)
+
+    def _per_step(self, world: int) -> int:
+        plan = self.session.plan if self.session is not None else None
+        return per_step(
+            plan.batch if plan is not None else None,
+            self._loader.batch_size or 0 if self._loader else 0,
+            world,
+        )
 
     def _batch(self, world_size: int | None = None, rank: int | None = None) -> Any:
         """The batch of the session's step for (world_size, rank) (the session's by
@@ -334,7 +376,7 @@ class UserLoop:
                     self._it = iter(loader)
                     torch.set_rng_state(rng)
             try:
-                batch = next(self._it)
+                parts = [next(self._it)]
                 break
             except StopIteration:
                 sampler.place(epoch=sampler.epoch + 1, offset=0, world=world, rank=rank)
@@ -343,14 +385,25 @@ class UserLoop:
             raise RuntimeError(
                 f"the DataLoader yields nothing in epoch {sampler.epoch} at world size {world}"
             )
-        self._it_at = (sampler.epoch, min(sampler.size, sampler.offset + batch_size * world), world, rank)
+        for _ in range(self._per_step(world) - 1):  # a shrunk job holding its global batch
+            part = next(self._it, None)
+            if part is None:
+                break  # the epoch's end: a short step, as the fixed-size run's last one
+            parts.append(part)
+        batch = parts[0] if len(parts) == 1 else concat(parts)
+        done = batch_size * world * len(parts)
+        self._it_at = (sampler.epoch, min(sampler.size, sampler.offset + done), world, rank)
         self._rng_after = rng_state()
         self._held = (key, batch)
         return batch
 
     # -- tracking and guards ------------------------------------------------------------
     def _prepare_tracking(self) -> None:
-        assert self._ddp is not None and self._sampler is not None
+        assert self._sampler is not None
+        if not self.tracked and self._ddp is None:
+            raise TypeError(
+                "with job.mesh(), say what moves to a joiner: job.track(model=..., optimizer=...)"
+            )
         if not self.tracked:
             self.tracked = {"model": self._ddp, **self._find_optimizers()}
             self.log.info("tracked_found", objects=sorted(self.tracked))
@@ -387,15 +440,6 @@ class UserLoop:
                 saved.append((obj, [{k: v for k, v in g.items() if k != "params"} for g in obj.param_groups]))
         return saved
 
-    @staticmethod
-    def _roll_back(saved: list[tuple[Any, Any]]) -> None:
-        for obj, state in saved:
-            if isinstance(obj, LRScheduler):
-                obj.load_state_dict(state)
-            else:
-                for group, hyper in zip(obj.param_groups, state, strict=True):
-                    group.update(hyper)
-
     def _guard(self, obj: torch.optim.Optimizer) -> None:
         """Make the optimizer's ``step`` do nothing while the step in flight has failed
         (an instance attribute: not part of its ``state_dict``)."""
@@ -407,6 +451,7 @@ class UserLoop:
         def step(*args: Any, **kwargs: Any) -> Any:
             if self._failed is not None:
                 return None
+            self._stepped = True  # a collective failing from now on fails no more than what follows
             return original(*args, **kwargs)
 
         step._phalanx_guarded = True  # type: ignore[attr-defined]
@@ -416,6 +461,10 @@ class UserLoop:
     def _fail(self, err: CommError) -> None:
         if self._failed is None:
             self._failed = err
+
+    def step_bound(self) -> float | None:
+        """The bound of the step in flight's collectives (None outside a step)."""
+        return self._bound if self._in_step else None
 
     def _record_bucket(self, bucket: dist.GradBucket) -> None:
         """Note which parameters each bucket holds, until one whole iteration after
@@ -434,6 +483,7 @@ class UserLoop:
         """What the hook needs, once per step: the bound, the scale, and whether DDP's
         buckets are the generation's or must be mapped onto them (:mod:`.buckets`)."""
         self._failed, self._hooked, self._in_step = None, False, True
+        self._stepped, self._late = False, None
         self._bound = bound = session.collective_bound_s()
         self._scale = 1.0 / session.world_size
         layout = self._layout
@@ -444,28 +494,40 @@ class UserLoop:
                 layout, self.job.comm, bound, self._param_index, session.record_collective, self._fail
             )
 
-    def _first_bucket(self, session: Session) -> None:
-        """The first bucket of a step: where ``PHALANX_FAULTS`` strike (:meth:`Session.strike`)."""
+    def _first_bucket(self, session: Session, point: str = "step") -> None:
+        """The first bucket of a step (the first collective, the first reduce-scatter of
+        a sharded model's): where ``PHALANX_FAULTS`` strike (:meth:`Session.strike`)."""
         self._hooked = True
-        if session.strike(self._bound):
+        if session.strike(self._bound, point):
             self.job.comm.release()
             self._fail(
                 CommError(f"injected: {self.job.worker} broke its communicator in step {session.step}")
             )
 
-    def _remake_reducer(self) -> None:
-        """A new reducer for the DDP model, with DDP's first-iteration buckets."""
-        ddp = self._ddp
-        assert ddp is not None
-        params, sparse = ddp._build_params_for_reducer()
-        names = ddp._build_debug_param_to_name_mapping(params)
-        ddp._ddp_init_helper(params, sparse, names, ddp.static_graph)
-        if ddp.static_graph:
-            ddp.reducer._set_static_graph()
-            ddp.logger._set_static_graph()  # type: ignore[union-attr]
-        dist._register_comm_hook(ddp.reducer, self, _bucket_hook)
-        self._physical, self._reducer_used, self._buckets, self._recording = None, False, {}, True
-        self.log.info("ddp_buckets_remade")
+
+def _roll_back(saved: list[tuple[Any, Any]]) -> None:
+    """Put back what :meth:`UserLoop._snapshot` saved (a failed step's scheduler steps)."""
+    for obj, state in saved:
+        if isinstance(obj, LRScheduler):
+            obj.load_state_dict(state)
+        else:
+            for group, hyper in zip(obj.param_groups, state, strict=True):
+                group.update(hyper)
+
+
+def _remake_reducer(loop: UserLoop) -> None:
+    """A new reducer for the loop's DDP model, with DDP's first-iteration buckets."""
+    ddp = loop._ddp
+    assert ddp is not None
+    params, sparse = ddp._build_params_for_reducer()
+    names = ddp._build_debug_param_to_name_mapping(params)
+    ddp._ddp_init_helper(params, sparse, names, ddp.static_graph)
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()  # type: ignore[union-attr]
+    dist._register_comm_hook(ddp.reducer, loop, _bucket_hook)
+    loop._physical, loop._reducer_used, loop._buckets, loop._recording = None, False, {}, True
+    loop.log.info("ddp_buckets_remade")
 
 
 def _bucket_hook(loop: UserLoop, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from phalanx.contract import BatchPlan
+
 
 class ElasticSampler(Sampler[int]):
     """A DistributedSampler whose world, rank and position Phalanx sets (see the module doc)."""
@@ -100,4 +102,41 @@ class ElasticSampler(Sampler[int]):
         self.place(epoch=int(state["epoch"]), offset=int(state["offset"]), world=self.world, rank=self.rank)
 
 
-__all__ = ["ElasticSampler"]
+def per_step(split: BatchPlan | None, batch_size: int, world: int) -> int:
+    """DataLoader batches per step and rank at ``world`` ranks: as many as hold the
+    job's global batch (``split.global_batch``, ``phalanx run --global-batch``) where
+    it is a whole multiple of ``batch_size x world`` (a shrunk job reads more per
+    rank), else 1 (the batch follows the world size).
+
+    >>> per_step(BatchPlan(global_batch=64, effective_batch=64, world_size=2, shards=[32, 32]), 16, 2)
+    2
+    >>> per_step(BatchPlan(global_batch=64, effective_batch=64, world_size=3, shards=[22, 21, 21]), 16, 3)
+    1
+    """
+    whole = split.global_batch if split is not None else 0
+    unit = batch_size * world
+    return whole // unit if unit and whole >= unit and whole % unit == 0 else 1
+
+
+def concat(batches: list[Any]) -> Any:
+    """DataLoader batches as one: tensors joined along dim 0, through the tuples, lists
+    and dicts a collate function makes (what one rank of a shrunk job trains per step
+    when it reads the batches of several).
+
+    >>> concat([(torch.zeros(2, 3), torch.ones(2)), (torch.zeros(1, 3), torch.ones(1))])[0].shape
+    torch.Size([3, 3])
+    """
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches)
+    if isinstance(first, dict):
+        return type(first)({k: concat([b[k] for b in batches]) for k in first})
+    if isinstance(first, (list, tuple)):
+        joined = [concat(list(parts)) for parts in zip(*batches, strict=True)]
+        return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
+    raise TypeError(
+        f"cannot join DataLoader batches of {type(first).__name__} (tensors, tuples, lists, dicts)"
+    )
+
+
+__all__ = ["ElasticSampler", "concat", "per_step"]

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -132,24 +133,46 @@ class Recovery:
         return end
 
 
-def state_sources(steps: list[int]) -> dict[int, int]:
+def state_sources(steps: list[int], positions: list[Hashable] | None = None) -> dict[int, int]:
     """Who sends its state to whom: ``{receiver rank: source rank}``, given each
     member's step (-1: no state yet). The members at the most advanced step hold the
     same state, so the receivers are spread over them round-robin (several joiners
     at once are served in parallel); in a fresh job rank 0 sends to everyone.
 
+    With ``positions`` (a sharded model: what each rank holds, its mesh position) a
+    receiver takes the state of a holder at its own position only, and a fresh job
+    moves nothing (every rank built its own shards, as under torchrun). A position
+    no holder is at has no source: :class:`RecoveryError`.
+
     >>> state_sources([7, 7, -1, -1, 6])
     {2: 0, 3: 1, 4: 0}
     >>> state_sources([-1, -1, -1])
     {1: 0, 2: 0}
+    >>> state_sources([7, 7, -1, 7], positions=[0, 1, 0, 1])   # (replicate, shard) = (2, 2)
+    {2: 0}
     """
     best = max(steps)
+    if positions is None:
+        positions = [0] * len(steps)
+    elif best < 0:
+        return {}
     if best < 0:  # a fresh job: rank 0's initial state is the reference (like DDP)
         holders, receivers = [0], list(range(1, len(steps)))
     else:
         holders = [r for r, s in enumerate(steps) if s == best]
         receivers = [r for r, s in enumerate(steps) if s != best]
-    return {r: holders[i % len(holders)] for i, r in enumerate(receivers)}
+    at: dict[Hashable, list[int]] = {}
+    for r in holders:
+        at.setdefault(positions[r], []).append(r)
+    served: dict[Hashable, int] = {}
+    out: dict[int, int] = {}
+    for r in receivers:
+        mine = at.get(positions[r])
+        if not mine:
+            raise RecoveryError(f"rank {r} holds shard {positions[r]}, and no member at step {best} holds it")
+        n = served[positions[r]] = served.get(positions[r], -1) + 1
+        out[r] = mine[n % len(mine)]
+    return out
 
 
 class Session:
@@ -171,8 +194,14 @@ class Session:
         rendezvous_timeout_s: float = 60.0,
         plan_timeout_s: float = 120.0,
         checkpoints: LastResort | None = None,
+        position: Callable[[int], Hashable] | None = None,
     ) -> None:
+        """``position``: what a rank holds, for a sharded model (its mesh position,
+        :meth:`phalanx.runtime.mesh.Mesh.position`): state moves between members at
+        the same position only, and a rank keeps its position for its whole life."""
         self.job, self.state = job, state
+        self.position = position
+        self._held_position: Hashable = None  # this rank's, once it has joined
         self.checkpoints = checkpoints
         self.device = device or torch.device("cpu")
         settings = load(RankSettings)
@@ -212,14 +241,15 @@ class Session:
     def enter_collective(self, bound_s: float) -> None:
         self.job.status.enter_collective(bound_s)
 
-    def strike(self, bound_s: float) -> bool:
+    def strike(self, bound_s: float, point: str = "step") -> bool:
         """Where ``PHALANX_FAULTS`` strike before a step's gradient all-reduce
-        (``step=N``, and ``collective=G`` in generation G's first); True when one is
-        ``break``, which the caller carries out."""
+        (``step=N``, and ``collective=G`` in generation G's first), or at another
+        ``point`` of step N (``reduce``: a sharded model's first reduce-scatter);
+        True when one is ``break``, which the caller carries out."""
         faults, worker = self.job.faults, self.job.worker
         enter = functools.partial(self.enter_collective, bound_s)
-        broke = faults.fire(worker, "step", self.step, enter_collective=enter)
-        if self.bounds.first_of_generation:
+        broke = faults.fire(worker, point, self.step, enter_collective=enter)
+        if point == "step" and self.bounds.first_of_generation:
             broke = faults.fire(worker, "collective", self.generation, enter_collective=enter) or broke
         return broke
 
@@ -289,15 +319,17 @@ class Session:
             self._report(self.pending)
             self.pending = None
 
-    def finish(self) -> None:
+    def finish(self, *, release: bool = True) -> None:
         """The last step is done: leave the group together (nobody closes sockets a
-        peer still reads from)."""
+        peer still reads from). ``release=False`` keeps the last generation's groups
+        for what the script does after its loop (gathering a sharded model's weights)."""
         if self.comm.configured:
             try:
                 self.comm.barrier(self.bounds.backstop_s)
             except CommError as err:
                 self.log.warning("final_barrier_failed", error=str(err))
-            self.comm.release()
+            if release:
+                self.comm.release()
 
     def _abort_on_newer_plan(self, plan: Plan) -> None:
         """From the agent's thread: a newer plan ends the generation the communicator
@@ -333,6 +365,7 @@ class Session:
                     self.rank = status.rank = -1  # no rank: a script's `if rank == 0` must not fire
                     raise Removed()
                 continue  # a spare not (yet) chosen
+            self._keep_position(rank, plan)
             rec.incident, rec.context = plan.incident, env.context
             if self.generation == 0 and self.job.role is Role.SPARE:
                 rec.role = "joiner"
@@ -352,9 +385,24 @@ class Session:
                 rank=rank,
                 world_size=plan.world_size,
                 step=self.step,
+                bytes_received=rec.bytes_received,
                 phases_ms={k: round((e - s) * 1000, 2) for k, (s, e) in rec.marks.items()},
             )
             return
+
+    def _keep_position(self, rank: int, plan: Plan) -> None:
+        """A sharded rank holds the shards of its position for life: a plan that
+        moves it elsewhere cannot be followed."""
+        if self.position is None:
+            return
+        where = self.position(rank)
+        if self._held_position is None:
+            self._held_position = where
+        elif where != self._held_position:
+            raise RecoveryError(
+                f"generation {plan.generation} puts {self.job.worker} at rank {rank}, mesh position {where};"
+                f" it holds the shards of position {self._held_position}"
+            )
 
     def _enter(self, plan: Plan, rank: int, rec: Recovery, restore: Restore) -> None:
         """Become ``rank`` of ``plan``'s generation: its rendezvous (``comm_init``), the
@@ -416,7 +464,8 @@ class Session:
             steps, size, slowest = self._member_facts(rank, bounds.backstop_s)
         bounds.join(slowest)
         fresh = max(steps) < 0
-        source = state_sources(steps)
+        n = len(steps)
+        source = state_sources(steps, None if self.position is None else [self.position(r) for r in range(n)])
         received = 0
         mine_to = [r for r, src in source.items() if src == rank]
         if mine_to:
@@ -427,6 +476,7 @@ class Session:
                 bound = bounds.transfer_s(size, queued)
                 status.enter_collective(bound)
                 send_state(comm, meta, buf, crc, r, timeout_s=bound)
+            self.log.info("state_sent", to=mine_to, bytes=buf.numel(), generation=generation)
         elif rank in source:
             src = source[rank]
             bound = bounds.transfer_s(size, [r for r, s in source.items() if s == src].index(rank))
@@ -499,6 +549,7 @@ class Session:
                 step=self.step,
                 incident=rec.incident,
                 phases_ms=phases_ms,
+                bytes_received=rec.bytes_received,
             ),
             job=self.job.job,
             worker=self.job.worker,

@@ -1,0 +1,134 @@
+"""FSDP2 HSDP under Phalanx, end to end: real processes, gloo, a real
+nats-server and the real services, a (2, 2) mesh (examples/fsdp_plain.py and its
+port examples/fsdp_phalanx.py).
+
+Fault-free, the port gives the plain torchrun FSDP2 script's weights bit for bit
+(same mesh). With faults it gives its own fault-free run's, and each joiner
+receives one shard's state from the member holding the same shard in the other
+replica group: the bytes it reports are within 10 % of that shard's parameters
+and AdamW moments, half of the model's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.baseline.torchrun import plain_ddp_args, run_torchrun
+from examples.mlp import MLP
+from phalanx.contract import Action, Elastic, FaultCause, RankHung
+from phalanx.devstack.jobwatch import JobResult
+from phalanx.devstack.localstack import LocalStack
+from tests.e2e.test_recovery import actions, assert_bitwise_equal, assert_recovered
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+SIZE = ["--batch-size", "16", "--samples", "512", "--hidden", "256", "--depth", "3", "--replicas", "2"]
+ELASTIC = Elastic(group_size=2)
+PORT = [sys.executable, "-m", "examples.fsdp_phalanx", *SIZE]
+NPROC, SHARDS = 4, 2
+
+Run = Callable[..., tuple[JobResult, dict[str, torch.Tensor] | None]]
+
+
+def shard_state_bytes() -> int:
+    """One shard's parameters and AdamW moments: a half of each (even) tensor, three times."""
+    params = sum(p.numel() for p in MLP(hidden=256, depth=3).parameters())
+    return params // SHARDS * 4 * 3
+
+
+@pytest.fixture(scope="module")
+def run(stack: LocalStack, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    out = tmp_path_factory.mktemp("sharded")
+    counter = itertools.count()
+
+    def go(*, spares: int = 0, faults: str = "") -> tuple[JobResult, dict[str, torch.Tensor] | None]:
+        job = f"sh{next(counter)}"
+        save = out / f"{job}.pt"
+        result = stack.run_job(
+            job,
+            [*PORT, "--steps", str(STEPS), "--save", str(save)],
+            nproc=NPROC,
+            spares=spares,
+            faults=faults,
+            global_batch=16 * NPROC,
+            timeout_s=180,
+            elastic=ELASTIC,
+        )
+        return result, (torch.load(save) if save.exists() else None)
+
+    return go
+
+
+@pytest.fixture(scope="module")
+def reference(run: Run) -> dict[str, torch.Tensor]:
+    result, weights = run()
+    assert result.returncode == 0, result.decisions
+    assert weights is not None
+    return weights
+
+
+def test_port_matches_plain_torchrun_fsdp2_bitwise(
+    reference: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    plain = tmp_path / "plain.pt"
+    run_torchrun(
+        NPROC, "examples.fsdp_plain", plain_ddp_args(STEPS, *SIZE, save=plain), output=tmp_path / "out"
+    )
+    assert_bitwise_equal(reference, torch.load(plain))
+
+
+def assert_one_shard_moved(result: JobResult, joiners: set[str]) -> None:
+    """Each joiner received about one shard's state; no survivor received anything."""
+    shard = shard_state_bytes()
+    moved = {r.worker: r.bytes_received for r in result.recoveries if r.incident}
+    for worker, got in moved.items():
+        if worker in joiners:
+            assert shard <= got <= 1.1 * shard, (worker, got, shard)
+        else:
+            assert got == 0, (worker, got)
+    assert joiners <= moved.keys(), moved
+
+
+@pytest.mark.parametrize(
+    "point", ["reduce=5", "step=5"], ids=["mid-step-in-backward", "at-the-step-boundary"]
+)
+def test_sigkill(run: Run, reference: dict[str, torch.Tensor], point: str) -> None:
+    # reduce=5: as step 5's first gradient reduce-scatter starts (peers blocked in it);
+    # step=5: as its first all-gather starts, before anything of step 5 was exchanged
+    result, weights = run(spares=1, faults=f"kill:w1@{point}")
+    assert actions(result) == [Action.START, Action.REPLACE]
+    assert [f.cause for f in result.faults] == [FaultCause.PROCESS_EXIT]
+    assert_recovered(result, generation=2, nproc=NPROC)
+    assert_bitwise_equal(weights, reference)
+    assert_one_shard_moved(result, {"w4"})
+
+
+def test_sigstop(run: Run, reference: dict[str, torch.Tensor]) -> None:
+    result, weights = run(spares=1, faults="stop:w2@step=4")
+    assert [f.cause for f in result.faults if isinstance(f, RankHung)] == [FaultCause.HEARTBEAT_LOST]
+    assert_recovered(result, generation=result.plans[-1].generation, nproc=NPROC)
+    assert_bitwise_equal(weights, reference)
+
+
+def test_two_ranks_of_different_shards_killed_at_once(run: Run, reference: dict[str, torch.Tensor]) -> None:
+    # w0 holds shard 0 of replica group 0, w3 shard 1 of group 1: each joiner is
+    # served by a different peer (w2 and w1)
+    result, weights = run(spares=2, faults="kill:w0@step=6,kill:w3@step=6")
+    assert sorted(f.worker for f in result.faults) == ["w0", "w3"]
+    assert_recovered(result, generation=result.plans[-1].generation, nproc=NPROC)
+    assert_bitwise_equal(weights, reference)
+    assert_one_shard_moved(result, {"w4", "w5"})
+
+
+def test_kill_during_recovery(run: Run, reference: dict[str, torch.Tensor]) -> None:
+    result, weights = run(spares=2, faults="kill:w1@step=5,kill:w2@recovery=2")
+    assert result.plans[-1].generation == 3
+    assert_recovered(result, generation=3, nproc=NPROC)
+    assert_bitwise_equal(weights, reference)
