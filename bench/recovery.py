@@ -1,7 +1,7 @@
 """Downtime of a rank failure: Phalanx in-process recovery vs torchrun restart.
 
     python -m bench.recovery [--trials 10] [--baseline-trials 5] [--nproc 4] [--steps 40]
-                             [--quick] [--nodes 3]
+                             [--quick] [--nodes 3] [--loop user] [--parallel hsdp]
 
 Both paths train the same byte-level GPT (examples/gpt.py) on the same corpus,
 seed and global batch, with 4 ranks on this machine's CPUs, and lose the same
@@ -57,6 +57,31 @@ services and the launcher, whose CPU share is reported
 second instead of 100 ms (``steady_overhead_heartbeat_1s_pct``), which leaves the
 rank-side cost of the port.
 
+With ``--parallel hsdp`` (default ``ddp``: all of the above) the model is sharded:
+the user-loop FSDP2 port examples/fsdp_phalanx.py with ``--replicas 2`` on
+``nproc`` (4) ranks, a (2, nproc/2) HSDP mesh, an MLP of ``--model-hidden`` x
+``--model-depth`` (2048 x 6: 21 M parameters, ``model_params``). Everything runs
+on this machine's 2 CPU cores over gloo, so the figures are those of a
+CPU-bound, core-starved host, not of GPUs and NCCL.
+
+- Phalanx: the same fault trials as above (``phalanx run``, 1 hot spare, SIGKILL of
+  rank 1..nproc-1 from outside at spread fractions of a step). The spare takes
+  the lost rank's mesh position and its shard from the member holding the same
+  shard in the other replica group; each trial reports the bytes that joiner
+  received (``RecoveryDone.bytes_received``). One shard's state is the
+  position's local shard of every parameter and of AdamW's two moments, fp32,
+  sharded on dim 0 as FSDP2 does (``torch.chunk``, shard ``rank % (nproc/2)``):
+  ``bytes_moved_ratio`` is the median over trials of received / that
+  (``bytes_moved_ratio_max`` its max; it is a little above 1: the step counters,
+  scheduler, sampler and RNG travel too).
+- Steady overhead: the port's fault-free median step time against the plain
+  script examples/fsdp_plain.py under torchrun, same arguments, three interleaved
+  pairs (one with ``--quick``, in either mode), warmup steps dropped.
+- Restart baseline: torchrun ``--max-restarts 1`` of bench/baseline/fsdp_restart.py,
+  the plain script plus a DCP checkpoint of model and optimizer every 10 steps,
+  loaded on start; one rank is SIGKILLed from outside once rank 0 logged step k, and
+  every rank restarts from the newest complete checkpoint.
+
 Prints one JSON line last.
 """
 
@@ -74,8 +99,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import nn
 
 from bench.baseline.plain_ddp import measure_step_time
 from bench.baseline.run import run_trial
@@ -84,6 +113,7 @@ from examples.corpus import DEFAULT_OUT, build_corpus
 from examples.gpt import GPT
 from examples.mlp import MLP
 from examples.train_gpt import command as train_command
+from phalanx.contract import Elastic
 from phalanx.devstack.jobwatch import JobResult, last_logged_step
 from phalanx.devstack.localstack import LocalStack
 from phalanx.devstack.netns import NetnsCluster
@@ -148,9 +178,35 @@ def gpt_command(corpus: Path) -> Command:
     return lambda steps, log: train_command(steps, corpus, steps_log=log)
 
 
+@dataclass(frozen=True)
+class UserScripts:
+    """A plain torchrun script and its user-loop port to Phalanx, which take the same
+    arguments: ``--steps``, ``extra`` (the model's, the mesh's) and ``--steps-log``."""
+
+    plain: str
+    port: str
+    extra: tuple[str, ...] = ()
+
+    def args(self, steps: int, log: Path) -> list[str]:
+        return plain_ddp_args(steps, *self.extra, steps_log=log)
+
+    def command(self, steps: int, log: Path) -> list[str]:
+        """The port's command line (a :data:`Command`)."""
+        return [sys.executable, "-m", self.port, *self.args(steps, log)]
+
+
+DDP_SCRIPTS = UserScripts("examples.ddp_plain", "examples.ddp_phalanx")
+
+
+def hsdp_scripts(replicas: int, hidden: int, depth: int) -> UserScripts:
+    """examples/fsdp_plain.py and its port examples/fsdp_phalanx.py on a (replicas, -1) mesh."""
+    extra = ("--replicas", str(replicas), "--hidden", str(hidden), "--depth", str(depth))
+    return UserScripts("examples.fsdp_plain", "examples.fsdp_phalanx", extra)
+
+
 def port_command(steps: int, log: Path) -> list[str]:
     """examples/ddp_phalanx.py, the user-loop port of examples/ddp_plain.py."""
-    return [sys.executable, "-m", "examples.ddp_phalanx", *plain_ddp_args(steps, steps_log=log)]
+    return DDP_SCRIPTS.command(steps, log)
 
 
 def phalanx_trial(
@@ -163,10 +219,13 @@ def phalanx_trial(
     step: int,
     command: Command,
     fraction: float,
+    group_size: int = 1,
 ) -> dict[str, Any]:
     """One fault, from outside: ``phalanx run`` (the public CLI) trains with ``nproc``
     ranks and a hot spare; once rank 0 has logged step ``step`` done, the victim rank
-    is SIGKILLed ``fraction`` of a step later (compute, all-reduce or optimizer step)."""
+    is SIGKILLed ``fraction`` of a step later (compute, all-reduce or optimizer step).
+    The spare that replaces it reports the state bytes it received (``bytes_received``).
+    ``group_size``: ``phalanx run --group-size`` (a sharded model's ranks per replica group)."""
     job = f"bench{i}-{int(time.time())}"
     steps_log = work / f"{job}.steps"
     victim = f"w{1 + i % (nproc - 1)}"
@@ -186,7 +245,14 @@ def phalanx_trial(
         timers.append(threading.Timer(delay, strike, (find_worker(job, victim), delay)))
         timers[0].start()
 
-    result = stack.run_nodes(job, cmd, nodes={"n0": (nproc, 1)}, steps_log=steps_log, actions=[(step, kill)])
+    result = stack.run_nodes(
+        job,
+        cmd,
+        nodes={"n0": (nproc, 1)},
+        steps_log=steps_log,
+        actions=[(step, kill)],
+        launcher_args=("--group-size", str(group_size)) if group_size > 1 else (),
+    )
     for t in timers:
         t.join()
     if result.returncode != 0 or "ts" not in fault or not result.faults:
@@ -195,6 +261,10 @@ def phalanx_trial(
     gen = max(p.generation for p in result.plans)
     first = [r for r in result.recoveries if r.generation == gen]
     downtime = max(r.ts for r in first) - fault_ts
+    start = min(result.plans, key=lambda p: p.generation)
+    joiner = next((r for r in first if r.worker not in {m.worker for m in start.members}), None)
+    if joiner is None:
+        raise RuntimeError(f"phalanx trial {job}: no spare joined generation {gen}")
     log = _read_jsonl(steps_log)
     # Steps done before the fault, against the first step done after recovery (whose
     # count is the recovery's step): lost = done before - (that step - 1).
@@ -225,6 +295,8 @@ def phalanx_trial(
         "fault_delay_s": round(fault["delay_s"], 4),
         "fault_fraction": round(fraction, 3),
         "victim": victim,
+        "joiner_rank": joiner.rank,
+        "bytes_received": joiner.bytes_received,  # the state the spare got from its peer
         "phases": {p: round(r.dur_ms / 1000.0, 4) for p, r in rows.items()},
         "verdict_to_plan_ms": None if gap is None else round(gap, 1),
         "trace_downtime_s": round((inc.downtime_ms or 0) / 1000.0, 4),
@@ -233,23 +305,32 @@ def phalanx_trial(
 
 
 def phalanx_steady(
-    stack: LocalStack, work: Path, *, nproc: int, steps: int, command: Command, warmup: int = 3
+    stack: LocalStack,
+    work: Path,
+    *,
+    nproc: int,
+    steps: int,
+    command: Command,
+    warmup: int = 3,
+    group_size: int = 1,
 ) -> list[float]:
+    """Step times of a fault-free run of ``command`` on the stack, warmup left out."""
     job = f"steady-{int(time.time() * 1000)}"
     steps_log = work / f"{job}.steps"
     cmd = command(steps, steps_log)
-    result = stack.run_job(job, cmd, nproc=nproc)
+    elastic = Elastic(group_size=group_size) if group_size > 1 else None
+    result = stack.run_job(job, cmd, nproc=nproc, elastic=elastic)
     if result.returncode != 0:
         raise RuntimeError(f"steady run failed: {result.decisions}")
     return [e["ms"] / 1000.0 for e in _read_jsonl(steps_log)][warmup:]
 
 
-def plain_steady(work: Path, *, nproc: int, steps: int, warmup: int = 3) -> list[float]:
-    """Step times of examples/ddp_plain.py under torchrun (no Phalanx)."""
+def plain_steady(
+    work: Path, *, nproc: int, steps: int, scripts: UserScripts = DDP_SCRIPTS, warmup: int = 3
+) -> list[float]:
+    """Step times of the plain script (examples/ddp_plain.py) under torchrun (no Phalanx)."""
     log = work / f"plain-{int(time.time() * 1000)}.steps"
-    run_torchrun(
-        nproc, "examples.ddp_plain", plain_ddp_args(steps, steps_log=log), output=log.with_suffix(".out")
-    )
+    run_torchrun(nproc, scripts.plain, scripts.args(steps, log), output=log.with_suffix(".out"))
     return [e["ms"] / 1000.0 for e in _read_jsonl(log)][warmup:]
 
 
@@ -304,14 +385,22 @@ def quiet_control_plane_overhead(work: Path, *, nproc: int, steps: int) -> dict[
     }
 
 
-def plain_restart_trial(work: Path, i: int, *, nproc: int, steps: int, step: int) -> dict[str, Any]:
+def plain_restart_trial(
+    work: Path,
+    i: int,
+    *,
+    nproc: int,
+    steps: int,
+    step: int,
+    module: str = "examples.ddp_plain",
+    args: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """The plain script's answer to the same fault: torchrun ``--max-restarts 1``
-    restarts every worker, and a script without checkpoints starts over from step 0.
+    restarts every worker; a script without checkpoints (examples/ddp_plain.py) starts
+    over from step 0, bench/baseline/fsdp_restart.py from its newest checkpoint.
     Rank ``1 + i % (nproc - 1)`` is SIGKILLed from outside once rank 0 logged ``step``."""
     log, out = work / f"restart{i}.steps", work / f"restart{i}.out"
-    proc = torchrun(
-        nproc, "examples.ddp_plain", plain_ddp_args(steps, steps_log=log), output=out, max_restarts=1
-    )
+    proc = torchrun(nproc, module, plain_ddp_args(steps, *args, steps_log=log), output=out, max_restarts=1)
     try:
         deadline = time.monotonic() + 300
         while last_logged_step(log) < step:
@@ -413,6 +502,234 @@ def node_loss_trials(work: Path, *, nodes: int, trials: int, steps: int, corpus:
     }
 
 
+def shard_state_bytes(model: nn.Module, shard: int, shards: int) -> int:
+    """One mesh position's state: its shard of every parameter and of AdamW's two
+    moments, fp32. FSDP2 shards dim 0 as ``torch.chunk`` does (the last shards may be
+    smaller or empty)."""
+    elems = 0
+    for p in model.parameters():
+        pieces = torch.chunk(p.detach(), shards, dim=0)
+        elems += pieces[shard].numel() if shard < len(pieces) else 0
+    return elems * 4 * 3
+
+
+@dataclass
+class Runs:
+    """One comparison's measurements: the Phalanx fault trials (``px``), the restart
+    trials (``rs``) and the steady step times of the port and of its plain reference."""
+
+    ks: list[int]
+    fracs: list[float]
+    px: list[dict[str, Any]] = field(default_factory=list)
+    rs: list[dict[str, Any]] = field(default_factory=list)
+    port_s: list[float] = field(default_factory=list)
+    plain_s: list[float] = field(default_factory=list)
+    cpu: ControlPlaneCpu = field(default_factory=ControlPlaneCpu)
+
+    def headline(self) -> dict[str, Any]:
+        """The figures every mode prints."""
+        px, rs = self.px, self.rs
+        down = _stats([t["downtime_s"] for t in px])
+        gaps = [t["verdict_to_plan_ms"] for t in px if t["verdict_to_plan_ms"] is not None]
+        rs_down = statistics.median(t["downtime_s"] for t in rs) if rs else None
+        port_step, plain_step = statistics.median(self.port_s), statistics.median(self.plain_s)
+        return {
+            "phalanx_downtime_s": down["median"],
+            "phalanx_downtime_p90_s": down["p90"],
+            "phalanx_downtime_max_s": down["max"],
+            "restart_downtime_s": None if rs_down is None else round(rs_down, 4),
+            "downtime_ratio": None if rs_down is None else round(rs_down / down["median"], 2),
+            "phalanx_lost_steps": max(t["lost_steps"] for t in px),
+            "restart_lost_steps": statistics.median(t["lost_steps"] for t in rs) if rs else None,
+            "phases": {p: round(statistics.median(t["phases"].get(p, 0.0) for t in px), 4) for p in PHASES},
+            "phases_p90": {p: _stats([t["phases"].get(p, 0.0) for t in px])["p90"] for p in PHASES},
+            "verdict_to_plan_ms": _stats(gaps) if gaps else None,
+            "phalanx_detect_ms": round(statistics.median(t["detect_ms"] for t in px), 1),
+            "steady_overhead_pct": round((port_step / plain_step - 1.0) * 100.0, 2),
+            "control_plane_cpu_pct_of_machine": self.cpu.pct_of_machine(),
+            "phalanx_step_s": round(port_step, 4),
+        }
+
+    def fault_fields(self) -> dict[str, Any]:
+        return {
+            "fault_steps": self.ks,
+            "fault_step_fractions": [round(f, 3) for f in self.fracs],
+            "trials": len(self.px),
+            "restart_trials": len(self.rs),
+        }
+
+
+def compare(
+    work: Path,
+    *,
+    nproc: int,
+    steps: int,
+    steady_steps: int,
+    trials: int,
+    baseline_trials: int,
+    command: Command,
+    plain: Callable[[], list[float]],
+    restart: Callable[[int, int], dict[str, Any]],
+    pairs: int,
+    group_size: int = 1,
+) -> Runs:
+    """Phalanx against its reference, on one stack: ``pairs`` interleaved steady runs
+    (``plain()``'s step times, then the port's, fault-free, so machine noise hits both
+    alike), ``trials`` fault trials (``group_size``: see :func:`phalanx_trial`), then ``baseline_trials`` of ``restart(i, k)`` at
+    the same fault steps. Each trial's JSON line is printed as it ends."""
+    runs = Runs(fault_steps(trials, steps), step_fractions(trials))
+    with LocalStack(work / "stack", services=("failure-detector", "elasticity-planner")) as stack:
+        for _ in range(pairs):
+            runs.plain_s += plain()
+            with runs.cpu.measure():
+                runs.port_s += phalanx_steady(
+                    stack, work, nproc=nproc, steps=steady_steps, command=command, group_size=group_size
+                )
+        for i, (k, frac) in enumerate(zip(runs.ks, runs.fracs, strict=True)):
+            runs.px.append(
+                phalanx_trial(
+                    stack,
+                    work,
+                    i,
+                    nproc=nproc,
+                    steps=steps,
+                    step=k,
+                    command=command,
+                    fraction=frac,
+                    group_size=group_size,
+                )
+            )
+            print(json.dumps({"phalanx_trial": i, **runs.px[-1]}), flush=True)
+    for i, k in enumerate(runs.ks[:baseline_trials]):
+        r = restart(i, k)
+        runs.rs.append(r)
+        print(
+            json.dumps(
+                {"restart_trial": i, **{k2: r[k2] for k2 in ("downtime_s", "lost_steps", "fault_step")}}
+            ),
+            flush=True,
+        )
+    return runs
+
+
+def ddp(args: argparse.Namespace, work: Path, baseline_trials: int) -> dict[str, Any]:
+    """The replicated (DDP) comparison: the GPT on the Trainer, or the user-loop port."""
+    corpus = REPO / DEFAULT_OUT
+    build_corpus(corpus)
+    nodes: dict[str, Any] = {}
+    if args.nodes:
+        nodes = node_loss_trials(
+            work, nodes=args.nodes, trials=args.node_trials, steps=args.node_steps, corpus=corpus
+        )
+        if args.skip_single:
+            return nodes
+    user = args.loop == "user"
+    quiet: dict[str, Any] = {}
+    if user:  # the same pair with the control plane at a tenth of its heartbeat traffic
+        quiet = quiet_control_plane_overhead(work, nproc=args.nproc, steps=args.steady_steps)
+
+    def plain() -> list[float]:
+        if user:
+            return plain_steady(work, nproc=args.nproc, steps=args.steady_steps)
+        return list(measure_step_time(args.nproc, args.steady_steps, 3, data=corpus)["step_s"][3:])
+
+    def restart(i: int, k: int) -> dict[str, Any]:
+        if user:
+            return plain_restart_trial(work, i, nproc=args.nproc, steps=args.steps, step=k)
+        return run_trial(
+            work / f"restart{i}",
+            nproc=args.nproc,
+            steps=args.steps,
+            kill_at_step=k,
+            kill_rank=1 + i % (args.nproc - 1),
+            ckpt_every=10,
+            data=corpus,
+        )
+
+    runs = compare(
+        work,
+        nproc=args.nproc,
+        steps=args.steps,
+        steady_steps=args.steady_steps,
+        trials=args.trials,
+        baseline_trials=baseline_trials,
+        command=port_command if user else gpt_command(corpus),
+        plain=plain,
+        restart=restart,
+        pairs=1 if args.quick else 3 if user else 2,
+    )
+    return {
+        "loop": args.loop,
+        **runs.headline(),
+        **quiet,
+        "ddp_step_s": round(statistics.median(runs.plain_s), 4),
+        **runs.fault_fields(),
+        "nproc": args.nproc,
+        "spares": 1,
+        "model_params": sum(p.numel() for p in MLP().parameters()) if user else GPT().num_params(),
+        "restart_baseline": "torchrun --max-restarts 1, the plain script (no checkpoint: starts over)"
+        if user
+        else "torchrun --max-restarts 3, plain DDP + DCP checkpoint every 10 steps",
+        **nodes,
+    }
+
+
+def hsdp(args: argparse.Namespace, work: Path, baseline_trials: int) -> dict[str, Any]:
+    """The sharded (FSDP2 HSDP) comparison: the port of examples/fsdp_plain.py on a
+    (2, nproc/2) mesh, its bytes moved per recovery, the torchrun + DCP restart."""
+    replicas, shards = 2, args.nproc // 2
+    scripts = hsdp_scripts(replicas, args.model_hidden, args.model_depth)
+    every = 10
+
+    def restart(i: int, k: int) -> dict[str, Any]:
+        ckpt = ("--ckpt-dir", str(work / f"restart{i}.dcp"), "--ckpt-every", str(every))
+        return plain_restart_trial(
+            work,
+            i,
+            nproc=args.nproc,
+            steps=args.steps,
+            step=k,
+            module="bench.baseline.fsdp_restart",
+            args=(*scripts.extra, *ckpt),
+        )
+
+    runs = compare(
+        work,
+        nproc=args.nproc,
+        steps=args.steps,
+        steady_steps=args.steady_steps,
+        trials=args.trials,
+        baseline_trials=baseline_trials,
+        command=scripts.command,
+        plain=lambda: plain_steady(work, nproc=args.nproc, steps=args.steady_steps, scripts=scripts),
+        restart=restart,
+        pairs=1 if args.quick else 3,
+        group_size=shards,  # each replica group: one rank per shard
+    )
+    with torch.device("meta"):  # shapes only
+        model = MLP(hidden=args.model_hidden, depth=args.model_depth)
+    shard_bytes = [shard_state_bytes(model, t["joiner_rank"] % shards, shards) for t in runs.px]
+    ratios = [t["bytes_received"] / b for t, b in zip(runs.px, shard_bytes, strict=True)]
+    return {
+        "parallel": "hsdp",
+        "loop": "user",
+        **runs.headline(),
+        "fsdp_step_s": round(statistics.median(runs.plain_s), 4),
+        "bytes_moved_ratio": round(statistics.median(ratios), 5),
+        "bytes_moved_ratio_max": round(max(ratios), 5),
+        "bytes_received_median": int(statistics.median(t["bytes_received"] for t in runs.px)),
+        "shard_state_bytes": int(statistics.median(shard_bytes)),
+        **runs.fault_fields(),
+        "mesh": [replicas, shards],
+        "nproc": args.nproc,
+        "spares": 1,
+        "model_params": sum(p.numel() for p in model.parameters()),
+        "model": {"hidden": args.model_hidden, "depth": args.model_depth},
+        "restart_baseline": f"torchrun --max-restarts 1, the plain FSDP2 script + DCP checkpoint every {every}"
+        " steps (bench/baseline/fsdp_restart.py)",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=10, help="Phalanx fault trials")
@@ -433,116 +750,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--loop",
         choices=("trainer", "user"),
-        default="trainer",
-        help="trainer: the GPT on phalanx's Trainer vs torchrun + DCP restarts; user: the user-loop "
-        "port examples/ddp_phalanx.py vs its plain torchrun script examples/ddp_plain.py",
+        default=None,
+        help="trainer (default with ddp): the GPT on phalanx's Trainer vs torchrun + DCP restarts; user: "
+        "the user-loop port examples/ddp_phalanx.py vs its plain torchrun script examples/ddp_plain.py "
+        "(hsdp always runs its user-loop port)",
     )
+    ap.add_argument(
+        "--parallel",
+        choices=("ddp", "hsdp"),
+        default="ddp",
+        help="ddp: replicated state (the above); hsdp: the FSDP2 HSDP port examples/fsdp_phalanx.py "
+        "on a (2, nproc/2) mesh vs examples/fsdp_plain.py and torchrun + DCP restarts",
+    )
+    ap.add_argument("--model-hidden", type=int, default=2048, help="hsdp: the MLP's hidden width")
+    ap.add_argument("--model-depth", type=int, default=6, help="hsdp: the MLP's hidden layers")
     args = ap.parse_args(argv)
+    sharded = args.parallel == "hsdp"
+    args.loop = args.loop or ("user" if sharded else "trainer")
     if args.nodes == 1 or args.nodes < 0:
         ap.error("--nodes must be >= 2")
     if args.loop == "user" and args.nodes:
         ap.error("--nodes measures the Trainer path; run it without --loop user")
+    if sharded and (args.loop != "user" or args.nodes or args.nproc < 2 or args.nproc % 2):
+        ap.error("--parallel hsdp runs its user-loop port on an even --nproc, without --nodes")
     if args.quick:
         args.trials, args.steps, args.steady_steps = 1, 30, 15
-    if args.loop == "user":  # an MLP step takes milliseconds, a GPT step a quarter second
+    if args.loop == "user" and not sharded:  # an MLP step takes milliseconds, a GPT step a quarter second
         args.steady_steps *= 10
     if args.trials < 1:
         ap.error("--trials must be >= 1")
     baseline_trials = min(args.trials, 5) if args.baseline_trials is None else args.baseline_trials
-    corpus = REPO / DEFAULT_OUT
-    build_corpus(corpus)
     work = Path(tempfile.mkdtemp(prefix="phalanx-bench-recovery-"))
-    nodes: dict[str, Any] = {}
-    if args.nodes:
-        nodes = node_loss_trials(
-            work, nodes=args.nodes, trials=args.node_trials, steps=args.node_steps, corpus=corpus
-        )
-        if args.skip_single:
-            print(json.dumps(nodes), flush=True)
-            return 0
-    ks = fault_steps(args.trials, args.steps)
-    fracs = step_fractions(args.trials)
-    px: list[dict[str, Any]] = []
-    rs: list[dict[str, Any]] = []
-    px_steady: list[float] = []
-    ddp_steady: list[float] = []
-    user = args.loop == "user"
-    command = port_command if user else gpt_command(corpus)
-    quiet: dict[str, Any] = {}
-    if user:  # the same pair with the control plane at a tenth of its heartbeat traffic
-        quiet = quiet_control_plane_overhead(work, nproc=args.nproc, steps=args.steady_steps)
-    cpu = ControlPlaneCpu()
-    with LocalStack(work / "stack", services=("failure-detector", "elasticity-planner")) as stack:
-        for _ in range(3 if user else 2):  # interleaved, so machine noise hits both alike
-            if user:
-                ddp_steady += plain_steady(work, nproc=args.nproc, steps=args.steady_steps)
-            else:
-                ddp_steady += measure_step_time(args.nproc, args.steady_steps, 3, data=corpus)["step_s"][3:]
-            with cpu.measure():
-                px_steady += phalanx_steady(
-                    stack, work, nproc=args.nproc, steps=args.steady_steps, command=command
-                )
-        for i, (k, frac) in enumerate(zip(ks, fracs, strict=True)):
-            px.append(
-                phalanx_trial(
-                    stack, work, i, nproc=args.nproc, steps=args.steps, step=k, command=command, fraction=frac
-                )
-            )
-            print(json.dumps({"phalanx_trial": i, **px[-1]}), flush=True)
-    for i, k in enumerate(ks[:baseline_trials]):
-        if user:
-            r = plain_restart_trial(work, i, nproc=args.nproc, steps=args.steps, step=k)
-        else:
-            r = run_trial(
-                work / f"restart{i}",
-                nproc=args.nproc,
-                steps=args.steps,
-                kill_at_step=k,
-                kill_rank=1 + i % (args.nproc - 1),
-                ckpt_every=10,
-                data=corpus,
-            )
-        rs.append(r)
-        print(
-            json.dumps(
-                {"restart_trial": i, **{k2: r[k2] for k2 in ("downtime_s", "lost_steps", "fault_step")}}
-            ),
-            flush=True,
-        )
-    down = _stats([t["downtime_s"] for t in px])
-    gaps = [t["verdict_to_plan_ms"] for t in px if t["verdict_to_plan_ms"] is not None]
-    rs_down = statistics.median(t["downtime_s"] for t in rs) if rs else None
-    px_step, ddp_step = statistics.median(px_steady), statistics.median(ddp_steady)
-    out = {
-        "loop": args.loop,
-        "phalanx_downtime_s": down["median"],
-        "phalanx_downtime_p90_s": down["p90"],
-        "phalanx_downtime_max_s": down["max"],
-        "restart_downtime_s": None if rs_down is None else round(rs_down, 4),
-        "downtime_ratio": None if rs_down is None else round(rs_down / down["median"], 2),
-        "phalanx_lost_steps": max(t["lost_steps"] for t in px),
-        "restart_lost_steps": statistics.median(t["lost_steps"] for t in rs) if rs else None,
-        "phases": {p: round(statistics.median(t["phases"].get(p, 0.0) for t in px), 4) for p in PHASES},
-        "phases_p90": {p: _stats([t["phases"].get(p, 0.0) for t in px])["p90"] for p in PHASES},
-        "verdict_to_plan_ms": _stats(gaps) if gaps else None,
-        "phalanx_detect_ms": round(statistics.median(t["detect_ms"] for t in px), 1),
-        "steady_overhead_pct": round((px_step / ddp_step - 1.0) * 100.0, 2),
-        "control_plane_cpu_pct_of_machine": cpu.pct_of_machine(),
-        **quiet,
-        "phalanx_step_s": round(px_step, 4),
-        "ddp_step_s": round(ddp_step, 4),
-        "fault_steps": ks,
-        "fault_step_fractions": [round(f, 3) for f in fracs],
-        "trials": args.trials,
-        "restart_trials": len(rs),
-        "nproc": args.nproc,
-        "spares": 1,
-        "model_params": sum(p.numel() for p in MLP().parameters()) if user else GPT().num_params(),
-        "restart_baseline": "torchrun --max-restarts 1, the plain script (no checkpoint: starts over)"
-        if user
-        else "torchrun --max-restarts 3, plain DDP + DCP checkpoint every 10 steps",
-        **nodes,
-    }
+    out = hsdp(args, work, baseline_trials) if sharded else ddp(args, work, baseline_trials)
     print(json.dumps(out), flush=True)
     return 0
 

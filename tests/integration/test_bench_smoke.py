@@ -1,6 +1,8 @@
 """Smoke runs of the benchmarks: each at tiny sizes, through the same code path as the
 full run, must end with one JSON line carrying its headline figures. The figures
-themselves are the benchmark's business (bench/), never asserted here."""
+themselves are the benchmark's business (bench/), never asserted here; the one
+exception is no timing: the sharded recovery's bytes moved per recovery, about
+one shard's state whatever the machine."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,17 +30,49 @@ SMOKE = {  # module: (its tiny-size arguments, the keys its last JSON line must 
 }
 
 
+HSDP_KEYS = {
+    "parallel",
+    "phalanx_downtime_s",
+    "phalanx_downtime_p90_s",
+    "phalanx_downtime_max_s",
+    "restart_downtime_s",
+    "steady_overhead_pct",
+    "bytes_moved_ratio",
+    "bytes_moved_ratio_max",
+    "shard_state_bytes",
+    "model_params",
+    "mesh",
+    "trials",
+    "restart_trials",
+    "phases",
+    "phalanx_lost_steps",
+}
+
+
+def last_json_line(module: str, args: list[str], timeout_s: float = 240) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    last: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return last
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SMOKE))
 def test_the_benchmark_runs_at_tiny_size_and_prints_its_json_last(name: str) -> None:
     args, keys = SMOKE[name]
-    out = subprocess.run(
-        [sys.executable, "-m", name, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    last = json.loads(out.stdout.strip().splitlines()[-1])
+    last = last_json_line(name, args)
     assert keys <= last.keys(), sorted(last)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)  # five 4-rank launches (torch imports) on two cores
+def test_the_sharded_recovery_benchmark_moves_about_one_shard_per_recovery() -> None:
+    # still a (2, 2) mesh and 4 ranks + a spare, but a 150 k-parameter MLP (0.9 MB
+    # per shard's state: the sampler, RNG and step counters that travel too stay small)
+    args = ["--parallel", "hsdp", "--quick", "--model-hidden", "256", "--model-depth", "3"]
+    last = last_json_line("bench.recovery", args, timeout_s=420)
+    assert HSDP_KEYS <= last.keys(), sorted(last)
+    assert last["parallel"] == "hsdp" and last["mesh"] == [2, 2]
+    assert 1.0 <= last["bytes_moved_ratio"] <= last["bytes_moved_ratio_max"] <= 1.1, last
