@@ -51,6 +51,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -212,7 +213,7 @@ class MeshGroup(dist.ProcessGroup):
         if bound is not None and guard is not None:
             guard.collective_started(bound, what)
             if opts is not None and hasattr(opts, "timeout"):
-                opts.timeout = _timedelta(bound)
+                opts.timeout = timedelta(seconds=bound)
         start = time.perf_counter()
         try:
             work = call(self._pg)
@@ -313,12 +314,6 @@ class MeshGroup(dist.ProcessGroup):
 
 def _opts(opts: Any, kind: type) -> Any:
     return kind() if opts is None else opts
-
-
-def _timedelta(seconds: float) -> Any:
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)
 
 
 class Mesh:
