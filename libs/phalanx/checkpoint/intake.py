@@ -22,11 +22,16 @@ from phalanx.checkpoint.keeperconfig import KeeperConfig
 from phalanx.checkpoint.manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    MAX_PARTS,
+    METADATA,
     FileEntry,
     Kind,
     Manifest,
     ManifestError,
+    digest,
     digest_chunks,
+    is_part,
+    job_of,
 )
 from phalanx.checkpoint.memcopy import MemCopy, map_file
 from phalanx.checkpoint.record import Recorder
@@ -158,19 +163,37 @@ class Intake:
         await self.rec.note(m, Tier.MEMORY, COMPLETE, seconds=time.perf_counter() - t0)
         self.drains.propagate(m)
 
-    async def register_directory(self, job: str, step: int, directory: Path, kind: Kind = "dcp") -> Manifest:
+    async def register_directory(
+        self,
+        job: str,
+        step: int,
+        directory: Path,
+        kind: Kind = "dcp",
+        *,
+        parts: list[str] | None = None,
+        files: list[str] | None = None,
+    ) -> Manifest:
         """Adopt the files a writer left in ``directory`` (a DCP checkpoint) as a memory copy.
 
         ``directory`` must be ``<node>/dcp/<job>/<step:012d>``, every component a real
         directory (no symlink), ``dcp/<job>`` and the step's directory owned by the job's
         uid and not writable by everyone, every file in it a regular file of that uid
-        with one link: a job registers its own files only (PermissionError otherwise)."""
+        with one link: a job registers its own files only (PermissionError otherwise).
+
+        With ``parts`` it is a *set* (:mod:`phalanx.checkpoint.manifest`): the directory
+        holds ``.metadata`` alone, every part named is ``<job>=r<rank>`` with a manifest
+        committed at ``step``, their files are disjoint and cover ``files`` (every file
+        ``.metadata`` refers to, as the coordinator says: the keeper never unpickles it),
+        and the set's manifest pins each part by its manifest's digest.
+        :class:`ManifestError` otherwise, and nothing is committed: a set whose rank died
+        before its part was registered is never listed."""
         if directory != self.cfg.node_dir / "dcp" / job / step_key(step):
             raise PermissionError(
                 f"{directory} is not {self.cfg.node_dir / 'dcp' / job / step_key(step)}: a job registers"
                 " its own DCP directory of that step only"
             )
         uid = self.cfg.job_uid(job)
+        pins = None if parts is None else await self._pin_parts(job, step, parts, files or [])
 
         def build() -> Manifest:
             with paths.dir_at(self.cfg.node_dir, "dcp", job) as job_fd:
@@ -192,8 +215,19 @@ class Intake:
                     entries.append(FileEntry(name=name, size=len(view), sha256=digest_chunks(view)))
                 if not entries:
                     raise ManifestError(f"{directory}: no files to checkpoint")
+                if pins is not None and [e.name for e in entries] != [METADATA]:
+                    raise ManifestError(
+                        f"{directory}: a set's directory holds {METADATA} alone, not"
+                        f" {sorted(e.name for e in entries)[:8]}"
+                    )
                 m = Manifest(
-                    job=job, step=step, kind=kind, origin=self.node, created=time.time(), files=entries
+                    job=job,
+                    step=step,
+                    kind=kind,
+                    origin=self.node,
+                    created=time.time(),
+                    files=entries,
+                    parts=pins or {},
                 )
                 flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
                 with open(paths.open_file(fd, MANIFEST_NAME, flags), "wb") as out:
@@ -208,6 +242,46 @@ class Intake:
         await self.rec.note(m, Tier.MEMORY, COMPLETE)
         self.drains.propagate(m)
         return m
+
+    async def _pin_parts(self, job: str, step: int, parts: list[str], files: list[str]) -> dict[str, str]:
+        """Part job -> digest of its committed manifest at ``step``, for the set of ``job``
+        (see :meth:`register_directory`); :class:`ManifestError` saying what is missing."""
+        if is_part(job):
+            raise ManifestError(f"{job!r} is a part: a part has no parts")
+        if not parts or len(parts) > MAX_PARTS or len(set(parts)) != len(parts):
+            raise ManifestError(f"{job}@{step}: a set needs 1-{MAX_PARTS} distinct parts")
+        for part in parts:
+            if not is_part(part) or job_of(part) != job:
+                raise ManifestError(f"{part!r} is not a part of job {job!r}: the set is refused")
+        limit = asyncio.Semaphore(32)
+
+        async def committed(part: str) -> Manifest | None:
+            async with limit:
+                return await self.rec.catalog.manifest(part, step)
+
+        manifests = await asyncio.gather(*(committed(p) for p in parts))
+        owner: dict[str, str] = {}  # file -> the part that has it
+        pins = {}
+        for part, m in zip(parts, manifests, strict=True):
+            if m is None or m.job != part or m.kind != "dcp" or m.parts:
+                raise ManifestError(
+                    f"part {part}@{step} is not committed: the set of {job}@{step} is refused"
+                )
+            for f in m.files:
+                if f.name == METADATA:
+                    raise ManifestError(f"part {part}@{step} has a {METADATA}: the set is refused")
+                if f.name in owner:
+                    raise ManifestError(
+                        f"{f.name} is in parts {owner[f.name]} and {part}: the set is refused"
+                    )
+                owner[f.name] = part
+            pins[part] = digest(m.encode())
+        missing = sorted(set(files) - owner.keys())
+        if missing:
+            raise ManifestError(
+                f"{job}@{step}: no part has {missing[:8]} ({len(missing)} files): the set is refused"
+            )
+        return pins
 
     # -- after a restart -------------------------------------------------------------------
     async def adopt(self) -> None:

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from phalanx.checkpoint.manifest import job_of
 from phalanx.checkpoint.tiers import RetryPolicy, Tier
 from phalanx.settings import RetentionPolicy
 
@@ -56,5 +57,11 @@ class KeeperConfig:
         return self.node_dir / "keeper.sock"
 
     def job_uid(self, job: str) -> int:
-        """The uid the ranks of ``job`` run as (:attr:`job_uids`)."""
-        return self.job_uids.get(job, os.geteuid())
+        """The uid the ranks of ``job`` run as (:attr:`job_uids`); a part of a DCP
+        checkpoint (``<job>=r<rank>``) is its job's."""
+        return self.job_uids.get(job_of(job), os.geteuid())
+
+    def job_group(self, job: str) -> int | None:
+        """The group that may read ``job``'s copies in shared memory: its uid's (a part's:
+        its job's), None for a job not listed in :attr:`job_uids`."""
+        return self.job_uids.get(job_of(job))

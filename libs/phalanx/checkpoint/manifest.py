@@ -19,10 +19,19 @@ bench.checkpoint`` prints ``digest_s`` and ``crc32_s``); chunks of one file
 are hashed on several threads (hashlib releases the GIL), and the keeper does
 it after the rank's save returned, never the training loop.
 
+A DCP checkpoint saved by several ranks is a *set*: each rank's files are an
+ordinary checkpoint of the *part job* ``<job>=r<rank>`` (:func:`part_job`; ``=``
+never occurs in a job's own name, so a part never collides with a job), kept by
+its node's keeper like any other, and the set's manifest (job ``<job>``) holds
+``.metadata`` and pins each part by the SHA-256 of its manifest (``parts``).
+This module is where those names are made and read (:func:`part_job`, :func:`job_of`).
+
 >>> m = Manifest.of_buffers("j1", 40, "node-a", {"state.phx": b"x" * 10})
 >>> m.verify_file("state.phx", b"x" * 10)
 >>> Manifest.parse(m.encode()).step
 40
+>>> part_job("j1", 3), job_of("j1=r3"), job_of("j1")
+('j1=r3', 'j1', 'j1')
 """
 
 from __future__ import annotations
@@ -36,14 +45,17 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CHUNK = 64 << 20  # bytes per digest
 VERSION: Literal[2] = 2
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 MANIFEST_NAME = "MANIFEST.json"
+METADATA = ".metadata"  # DCP's metadata file (a pickle: a keeper never reads it)
 MAX_MANIFEST_BYTES = 4 << 20
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_PART = re.compile(r"^([A-Za-z0-9_-]{1,64})=r(0|[1-9][0-9]{0,8})$")  # <job>=r<rank>, canonical
+MAX_PARTS = 100_000  # ranks of one set (the manifest's byte bound allows ~30k with long names)
 _FILE = re.compile(r"^[A-Za-z0-9_.-]{1,128}(/[A-Za-z0-9_.-]{1,128}){0,4}$")
 _HEX = r"^[0-9a-f]{64}$"
 
@@ -52,6 +64,25 @@ Kind = Literal["snapshot", "dcp"]
 
 class ManifestError(ValueError):
     """A manifest that cannot be read, or data that does not match its manifest."""
+
+
+def part_job(job: str, rank: int) -> str:
+    """The name under which rank ``rank``'s files of a DCP checkpoint of ``job`` are kept."""
+    if not _NAME.match(job):
+        raise ValueError(f"{job!r} is not a job name (1-64 of letters, digits, '_', '-')")
+    if type(rank) is not int or not 0 <= rank < 10**9:
+        raise ValueError(f"rank must be an int in [0, 1e9), got {rank!r}")
+    return f"{job}=r{rank}"
+
+
+def job_of(name: str) -> str:
+    """The job a part job (:func:`part_job`) belongs to; any other name itself."""
+    m = _PART.match(name)
+    return m.group(1) if m else name
+
+
+def is_part(name: str) -> bool:
+    return _PART.match(name) is not None
 
 
 def digest(data: memoryview | bytes) -> str:
@@ -115,13 +146,38 @@ class Manifest(BaseModel):
     chunk: int = Field(default=CHUNK, gt=0)
     files: list[FileEntry] = Field(min_length=1, max_length=100_000)
     meta: bytes = b""
+    parts: dict[str, str] = Field(default_factory=dict, max_length=MAX_PARTS)
+    """A set (a DCP checkpoint of several ranks): part job -> SHA-256 (hex) of that
+    part's manifest (:meth:`encode`) at this step; empty for any other checkpoint."""
 
-    @field_validator("job", "origin")
+    @field_validator("job")
+    @classmethod
+    def _job(cls, v: str) -> str:
+        if not (_NAME.match(v) or _PART.match(v)):
+            raise ValueError(
+                f"{v!r} is not a job name (1-64 of letters, digits, '_', '-'; or a part <job>=r<rank>)"
+            )
+        return v
+
+    @field_validator("origin")
     @classmethod
     def _name(cls, v: str) -> str:
         if not _NAME.match(v):
             raise ValueError(f"{v!r} is not a name (1-64 of letters, digits, '_', '-')")
         return v
+
+    @model_validator(mode="after")
+    def _parts(self) -> Manifest:
+        if not self.parts:
+            return self
+        if self.kind != "dcp" or is_part(self.job):
+            raise ValueError("only a DCP checkpoint of a job (not of a part) has parts")
+        for name, sha in self.parts.items():
+            if not is_part(name) or job_of(name) != self.job:
+                raise ValueError(f"{name!r} is not a part of job {self.job!r}")
+            if not isinstance(sha, str) or not re.match(_HEX, sha):
+                raise ValueError(f"the digest of part {name!r} is not 64 lowercase hex digits")
+        return self
 
     @field_validator("files")
     @classmethod
@@ -169,7 +225,9 @@ class Manifest(BaseModel):
         raise ManifestError(f"checkpoint {self.job}@{self.step} has no file {name!r}")
 
     def encode(self) -> bytes:
-        return self.model_dump_json().encode()
+        """The canonical JSON (``parts`` left out when empty: a checkpoint that is not a set
+        encodes as it did before sets existed)."""
+        return self.model_dump_json(exclude={"parts"} if not self.parts else None).encode()
 
     @classmethod
     def parse(cls, raw: bytes, where: str = "manifest") -> Manifest:

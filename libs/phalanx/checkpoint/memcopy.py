@@ -198,7 +198,7 @@ class SharedMemory:
     async def _fill_dir(self, m: Manifest, fill: FillInto, kind: str) -> Path:
         name = step_key(m.step)
         tmp = f".partial-{name}-{uuid.uuid4().hex[:8]}"  # one per fill: two fills of a step never share it
-        group = self.cfg.job_uids.get(m.job)
+        group = self.cfg.job_group(m.job)
         job_fd = await asyncio.to_thread(
             paths.open_dir, self.cfg.node_dir, kind, m.job, create=0o750, group=group
         )

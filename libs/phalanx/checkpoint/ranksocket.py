@@ -1,6 +1,7 @@
 """The keeper's Unix socket for the ranks of its node (``<shm_root>/<node>/keeper.sock``):
-``list``, ``load``, ``register`` (a DCP directory) and ``skipped``, one request a
-connection. Every job's ranks connect; ``SO_PEERCRED`` says which job a caller may speak for."""
+``list``, ``load``, ``register`` (a DCP directory: a rank's part, or with ``parts``
+and ``files`` the set that ties the parts) and ``skipped``, one request a connection.
+Every job's ranks connect; ``SO_PEERCRED`` says which job a caller may speak for."""
 
 from __future__ import annotations
 
@@ -65,9 +66,12 @@ class RankSocket:
                 step, directory = req.get("step"), req.get("dir")
                 if type(step) is not int or step < 0 or not isinstance(directory, str):
                     raise wire.WireError("register needs a step (int >= 0) and a dir")
+                parts, files = _names(req, "parts"), _names(req, "files")
                 try:
-                    m = await self.intake.register_directory(job, step, Path(directory))
-                except OSError as exc:
+                    m = await self.intake.register_directory(
+                        job, step, Path(directory), parts=parts, files=files
+                    )
+                except (OSError, ManifestError) as exc:
                     self.log.error("register_refused", job=job, step=step, dir=directory, error=str(exc))
                     raise
                 reply = {"ok": True, "manifest": m.encode()}
@@ -94,3 +98,13 @@ class RankSocket:
         want = self.cfg.job_uid(job)
         if uid not in (0, want):
             raise PermissionError(f"pid {pid} runs as uid {uid}, not as job {job!r}'s uid {want}")
+
+
+def _names(req: dict[str, Any], key: str) -> list[str] | None:
+    """``req[key]``: absent (None) or a list of strings (a set's parts, or its files)."""
+    value = req.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise wire.WireError(f"{key} must be a list of strings")
+    return value

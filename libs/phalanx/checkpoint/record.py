@@ -10,7 +10,7 @@ from typing import Any
 from phalanx.bus import Bus
 from phalanx.checkpoint.catalog import SHARED_NODE, Catalog
 from phalanx.checkpoint.keepertasks import KeeperTasks
-from phalanx.checkpoint.manifest import Manifest, ManifestError
+from phalanx.checkpoint.manifest import Manifest, ManifestError, job_of
 from phalanx.checkpoint.tiers import RetryPolicy, Tier, step_key
 from phalanx.contract import CheckpointEvent
 from phalanx.contract.messages import CopyState
@@ -68,9 +68,14 @@ class Recorder:
             await self._catalog_write(
                 key, lambda: catalog.record(m.job, m.step, tier, where, state, m.total_bytes, self.addr)
             )
+        # A part of a DCP set is published (and counted) under its job, the part named in
+        # ``detail``: events and metrics are per job, not per rank.
+        job = job_of(m.job)
+        if job != m.job:
+            detail = f"part {m.job}" + (f": {detail}" if detail else "")
         try:
             event = CheckpointEvent(
-                job=m.job,
+                job=job,
                 step=m.step,
                 tier=tier.value,
                 state=state,
@@ -79,11 +84,11 @@ class Recorder:
                 seconds=round(seconds, 4),
                 detail=detail[:500],
             )
-            await self.bus.publish(CHECKPOINT, event, job=m.job, retry_for_s=5.0)
+            await self.bus.publish(CHECKPOINT, event, job=job, retry_for_s=5.0)
         except Exception as exc:  # the bus being away must not stop a drain
             self.log.warning("event_unpublished", job=m.job, step=m.step, tier=tier.value, error=repr(exc))
         if self.on_copy is not None:
-            self.on_copy(m.job, tier.value, state, m.step, m.total_bytes)
+            self.on_copy(job, tier.value, state, m.step, m.total_bytes)
         self.log.info(
             "checkpoint",
             job=m.job,
