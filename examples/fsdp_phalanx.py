@@ -8,7 +8,9 @@ surviving lost ranks in place, each joiner taking its shards from a replica.
 instead of ``init_process_group``, ``job.mesh`` instead of ``init_device_mesh``
 (its groups follow the generations), an ``ElasticSampler`` instead of
 ``DistributedSampler``, ``job.track`` (what moves to a joiner: only its shards)
-and ``job.steps`` as the loop header.
+and ``job.steps`` as the loop header. ``--checkpoint-every N`` adds tiered
+checkpoints (``job.checkpoint``), the last resort when every replica of a shard is
+lost (plain FSDP, ``--replicas 1``, losing any rank).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
     log = StepLog(args.steps_log)
     job.track(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
+    if args.checkpoint_every:  # where the job resumes if every replica of a shard is lost
+        job.checkpoint(every=args.checkpoint_every)
     for step, (x, y) in job.steps(loader, args.steps):
         x, y = x.to(device), y.to(device)
         loss = F.mse_loss(model(x), y)

@@ -75,6 +75,12 @@ def parse_args(
     p = argparse.ArgumentParser(description=doc)
     if sharded:
         p.add_argument("--replicas", type=int, default=2, help="HSDP replica groups (the rest shard)")
+        p.add_argument(
+            "--checkpoint-every",
+            type=int,
+            default=0,
+            help="the Phalanx port: tiered checkpoint every N steps",
+        )
     p.add_argument("--steps", type=int, default=100, help="optimizer steps to train")
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
     p.add_argument("--samples", type=int, default=4096, help="dataset size (an epoch)")

@@ -130,3 +130,61 @@ def test_kill_during_recovery(run: Run, reference: dict[str, torch.Tensor]) -> N
     assert result.plans[-1].generation == 3
     assert_recovered(result, generation=3, nproc=NPROC)
     assert_bitwise_equal(weights, reference)
+
+
+# Plain FSDP: one replica group of two shards, so a lost rank's shard has no other copy.
+PLAIN_FSDP = [sys.executable, "-m", "examples.fsdp_phalanx", *SIZE[:-1], "1", "--checkpoint-every", "4"]
+
+
+def checkpointed_model(stack: LocalStack, job: str, step: int) -> dict[str, torch.Tensor]:
+    """The model of checkpoint ``job@step``, read in this process through the keeper
+    (full tensors: DCP puts the shards together)."""
+    import torch.distributed.checkpoint as dcp
+
+    from phalanx.checkpoint import Checkpointer
+    from phalanx.checkpoint.dcp import TieredReader
+
+    state = {"model": MLP(hidden=256, depth=3).state_dict()}
+    reader = TieredReader(job, step, checkpointer=Checkpointer(job, node="local", root=stack.shm_root))
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state["model"]
+
+
+def test_every_replica_of_a_shard_lost_resumes_from_the_newest_tiered_checkpoint(
+    stack: LocalStack, tmp_path: Path
+) -> None:
+    keeper = stack.start_keeper("local")  # the node's state-replication: the checkpoints' keeper
+    try:
+
+        def go(job: str, faults: str = "") -> tuple[JobResult, dict[str, torch.Tensor]]:
+            save = tmp_path / f"{job}.pt"
+            result = stack.run_job(
+                job,
+                [*PLAIN_FSDP, "--steps", str(STEPS), "--save", str(save)],
+                nproc=2,
+                spares=1,
+                faults=faults,
+                global_batch=32,
+                timeout_s=180,
+                elastic=ELASTIC,
+            )
+            assert result.returncode == 0, (result.decisions, result.faults)
+            return result, torch.load(save)
+
+        _, fixed = go("shck-fixed")
+        # w1 dies in step 7: its shard is gone with it; checkpoint 4 is the newest
+        result, weights = go("shck", faults="kill:w1@reduce=7")
+        assert actions(result) == [Action.START, Action.REPLACE]
+        resumed = {r.worker: (r.step, r.bytes_received) for r in result.recoveries if r.incident}
+        # both from the checkpoint (at step 4: a recovery is reported as its first step, the
+        # fifth, commits), nothing from a peer
+        assert resumed == {"w0": (5, 0), "w2": (5, 0)}, resumed
+        assert_bitwise_equal(weights, fixed)  # ... and on from there, as the fault-free run
+        # the checkpoints themselves: the fault-free run's, before and after the resume
+        for step in (4, 8):
+            assert_bitwise_equal(
+                checkpointed_model(stack, "shck", step), checkpointed_model(stack, "shck-fixed", step)
+            )
+    finally:
+        stack.procs[keeper].kill()
+        stack.procs[keeper].wait()

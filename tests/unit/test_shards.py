@@ -13,7 +13,7 @@ import pytest
 
 from phalanx.runtime.comm import CommError, Communicator
 from phalanx.runtime.mesh import group_size_of
-from phalanx.runtime.session import RecoveryError, state_sources
+from phalanx.runtime.session import RecoveryError, state_sources, unheld
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,6 +33,19 @@ def test_a_fresh_sharded_job_moves_nothing_and_a_lost_shard_is_an_error() -> Non
         state_sources([7, -1, 7, -1], positions=[0, 1, 0, 1])
     # replicated (no positions): as before
     assert state_sources([-1, -1, -1]) == {1: 0, 2: 0}
+
+
+def test_only_a_position_nobody_holds_sends_the_job_to_its_checkpoint() -> None:
+    # a lost rank whose shard a live replica holds: the replica serves it
+    assert not unheld([7, -1, 7, 7], positions=[0, 1, 0, 1])
+    # every replica of shard 1 lost (or plain FSDP losing a rank): only a checkpoint has it
+    assert unheld([7, -1, 7, -1], positions=[0, 1, 0, 1])
+    assert unheld([7, -1], positions=[0, 1])
+    # a holder behind the most advanced step does not count: its shard is a step old
+    assert unheld([7, 6, 7, 6], positions=[0, 1, 0, 1])
+    # nobody holds anything (a relaunched job); replicated state (no positions)
+    assert unheld([-1, -1], positions=[0, 1]) and unheld([-1, -1], None)
+    assert not unheld([-1, 3], None)
 
 
 def test_the_mesh_follows_the_world_by_whole_replica_groups() -> None:

@@ -107,6 +107,12 @@ class Job:
         """Name what moves to a joiner: objects with ``state_dict``/``load_state_dict``."""
         self.loop.track(**objects)
 
+    def checkpoint(self, every: int) -> None:
+        """Save the tracked state every ``every`` steps to the tiered store (a
+        ``job.mesh()`` job): where it resumes from when every replica of a shard is lost
+        (:mod:`phalanx.runtime.tiered`). Call it before :meth:`steps`."""
+        self.loop.checkpoint(every)
+
     def on_resize(self, hook: Callable[[int, int, Plan], None]) -> None:
         """``hook(old_world, new_world, plan)`` after a resize (see :meth:`UserLoop.on_resize`)."""
         self.loop.on_resize(hook)

@@ -85,30 +85,18 @@ from phalanx.contract import Phase, Plan
 from phalanx.runtime.buckets import Layout, LayoutError, Remap, done, layout_of
 from phalanx.runtime.comm import CommError, Group
 from phalanx.runtime.mesh import Mesh
+from phalanx.runtime.rng import rng_state, set_rng_state
 from phalanx.runtime.sampler import ElasticSampler, concat, per_step
 from phalanx.runtime.session import Member, RecoveryError, Removed, Session
 from phalanx.runtime.sharded import StepGuard, load_shards, mesh_for_job
 from phalanx.runtime.shards import to_local
+from phalanx.runtime.tiered import ShardedCheckpoints
 from phalanx.telemetry import get_logger
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 _ids = itertools.count()
-
-
-def rng_state() -> dict[str, Any]:
-    """The torch RNG states of this process: CPU, and every CUDA device once CUDA is up."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"].cpu().clone())  # a view into a receive buffer segfaults
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([t.cpu().clone() for t in state["cuda"]])
 
 
 class UserLoop:
@@ -156,6 +144,8 @@ class UserLoop:
         self._world_seen = 0
         self._on_resize: Callable[[int, int, Plan], None] | None = None
         self._loss: float | torch.Tensor | None = None  # what report_loss() got in the step in flight
+        self._every = 0  # job.checkpoint(every=N)
+        self.checkpoints: ShardedCheckpoints | None = None
 
     # -- the user's API --------------------------------------------------------------
     def ddp(self, module: nn.Module, **kwargs: Any) -> DistributedDataParallel:
@@ -199,6 +189,13 @@ class UserLoop:
                 )
         self.tracked.update(objects)
 
+    def checkpoint(self, every: int) -> None:
+        """Save the tracked state every ``every`` steps to the tiered store, where a job
+        that loses every replica of a shard resumes from (:mod:`phalanx.runtime.tiered`)."""
+        if type(every) is not int or every < 1:
+            raise ValueError(f"job.checkpoint(every=...) needs an int >= 1, got {every!r}")
+        self._every = every
+
     def steps(self, loader: DataLoader[Any], total: int) -> Iterator[tuple[int, Any]]:
         """Yield ``(step, batch)`` until ``total`` optimizer steps are done.
 
@@ -210,6 +207,8 @@ class UserLoop:
             raise RuntimeError(
                 "job.steps() needs the model wrapped by job.ddp(model), or a job.mesh(), first"
             )
+        if self._every and self._mesh is None:
+            raise TypeError("job.checkpoint() is for a job.mesh() job (a DDP job's state is on every rank)")
         sampler = getattr(loader, "sampler", None)
         if not isinstance(sampler, ElasticSampler) or loader.batch_size is None:
             raise TypeError(
@@ -224,9 +223,14 @@ class UserLoop:
             device = next((p.device for p in self._ddp.parameters()), torch.device("cpu"))
             session = self.session = Session(self.job, self, device=device)
         else:
-            assert self._mesh is not None
+            mesh = self._mesh
+            assert mesh is not None
+            if self._every:
+                self.checkpoints = ShardedCheckpoints(
+                    self.job.job, self._every, mesh, self.tracked, self.job.status
+                )
             session = self.session = Session(
-                self.job, self, device=self._device, position=self._mesh.position
+                self.job, self, device=self._device, position=mesh.position, checkpoints=self.checkpoints
             )
         try:
             session.start(self._restore)
@@ -237,7 +241,7 @@ class UserLoop:
                 batch = self._batch()
                 t0, wall0 = time.perf_counter(), time.time()
                 self._prepare_step(session)
-                saved = self._snapshot()
+                saved = snapshot(self.tracked)
                 self.job.status.enter(Phase.COMPUTE)
                 self._loss = None
                 try:
@@ -255,6 +259,8 @@ class UserLoop:
                 sampler.advance(loader.batch_size * session.world_size * self._per_step(session.world_size))
                 loss = None if self._loss is None else float(self._loss)
                 session.committed((time.perf_counter() - t0) * 1000.0, wall0, loss)
+                if self.checkpoints is not None and self.checkpoints.due(session.step) and late is None:
+                    late = self.checkpoints.save(session.step, session.rank, session.bounds.backstop_s)
                 if late is not None or switch:  # a peer died after the step, or a planned resize
                     session.reconfigure(late, self._restore)
             # A sharded model's full state dict is gathered after the loop: its groups stay.
@@ -404,41 +410,14 @@ class UserLoop:
             raise TypeError(
                 "with job.mesh(), say what moves to a joiner: job.track(model=..., optimizer=...)"
             )
-        if not self.tracked:
-            self.tracked = {"model": self._ddp, **self._find_optimizers()}
+        if not self.tracked and self._ddp is not None:
+            self.tracked = {"model": self._ddp, **find_optimizers(self._ddp)}
             self.log.info("tracked_found", objects=sorted(self.tracked))
         if not any(obj is self._sampler for obj in self.tracked.values()):
             self.tracked["sampler"] = self._sampler
         for obj in self.tracked.values():
             if isinstance(obj, torch.optim.Optimizer):
                 self._guard(obj)
-
-    def _find_optimizers(self) -> dict[str, Any]:
-        """The optimizers holding the DDP model's parameters, and their LR schedulers."""
-        assert self._ddp is not None
-        mine = {id(p) for p in self._ddp.parameters()}
-        live = gc.get_objects()
-        opts = [
-            o
-            for o in live
-            if isinstance(o, torch.optim.Optimizer)
-            and any(id(p) in mine for g in o.param_groups for p in g["params"])
-        ]
-        scheds = [o for o in live if isinstance(o, LRScheduler) and any(o.optimizer is x for x in opts)]
-        found: dict[str, Any] = {f"optimizer{i or ''}": o for i, o in enumerate(opts)}
-        found.update({f"scheduler{i or ''}": s for i, s in enumerate(scheds)})
-        return found
-
-    def _snapshot(self) -> list[tuple[Any, Any]]:
-        """What a failed step's scheduler steps change, to put back: the schedulers'
-        state and the optimizers' hyperparameters (lr, betas, momentum...)."""
-        saved: list[tuple[Any, Any]] = []
-        for obj in self.tracked.values():
-            if isinstance(obj, LRScheduler):
-                saved.append((obj, obj.state_dict()))
-            elif isinstance(obj, torch.optim.Optimizer):
-                saved.append((obj, [{k: v for k, v in g.items() if k != "params"} for g in obj.param_groups]))
-        return saved
 
     def _guard(self, obj: torch.optim.Optimizer) -> None:
         """Make the optimizer's ``step`` do nothing while the step in flight has failed
@@ -505,8 +484,36 @@ class UserLoop:
             )
 
 
+def find_optimizers(ddp: DistributedDataParallel) -> dict[str, Any]:
+    """The optimizers holding the DDP model's parameters, and their LR schedulers."""
+    mine = {id(p) for p in ddp.parameters()}
+    live = gc.get_objects()
+    opts = [
+        o
+        for o in live
+        if isinstance(o, torch.optim.Optimizer)
+        and any(id(p) in mine for g in o.param_groups for p in g["params"])
+    ]
+    scheds = [o for o in live if isinstance(o, LRScheduler) and any(o.optimizer is x for x in opts)]
+    found: dict[str, Any] = {f"optimizer{i or ''}": o for i, o in enumerate(opts)}
+    found.update({f"scheduler{i or ''}": s for i, s in enumerate(scheds)})
+    return found
+
+
+def snapshot(tracked: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """What a failed step's scheduler steps change, to put back: the schedulers'
+    state and the optimizers' hyperparameters (lr, betas, momentum...)."""
+    saved: list[tuple[Any, Any]] = []
+    for obj in tracked.values():
+        if isinstance(obj, LRScheduler):
+            saved.append((obj, obj.state_dict()))
+        elif isinstance(obj, torch.optim.Optimizer):
+            saved.append((obj, [{k: v for k, v in g.items() if k != "params"} for g in obj.param_groups]))
+    return saved
+
+
 def _roll_back(saved: list[tuple[Any, Any]]) -> None:
-    """Put back what :meth:`UserLoop._snapshot` saved (a failed step's scheduler steps)."""
+    """Put back what :func:`snapshot` saved (a failed step's scheduler steps)."""
     for obj, state in saved:
         if isinstance(obj, LRScheduler):
             obj.load_state_dict(state)

@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from opentelemetry import context as otel_context
@@ -114,6 +114,16 @@ class LastResort(Protocol):
     def load(self, step: int | None = None) -> Any: ...
 
 
+@runtime_checkable
+class ShardedLastResort(Protocol):
+    """Where a sharded group resumes from when some shard position has no holder
+    (:class:`phalanx.runtime.tiered.ShardedCheckpoints`): ``restore`` is collective,
+    loads each rank's own shards into the tracked objects, and returns ``step``,
+    ``tier`` and ``rng`` (this rank's RNG state, or None), or None when there is none."""
+
+    def restore(self, rank: int, bound_s: float) -> Any: ...
+
+
 @dataclass
 class Recovery:
     """Timestamps (time.time()) of one recovery's phases on this rank."""
@@ -131,6 +141,16 @@ class Recovery:
         end = time.time()
         self.marks[phase] = (start, end)
         return end
+
+
+def unheld(steps: list[int], positions: list[Hashable] | None) -> bool:
+    """Whether some member's state is held by nobody at the most advanced step: no
+    member holds any (a relaunched job), or a position (a sharded model's) has no
+    holder left -- what only a checkpoint can give back."""
+    top = max(steps)
+    if top < 0 or positions is None:
+        return top < 0
+    return not set(positions) <= {p for p, s in zip(positions, steps, strict=True) if s == top}
 
 
 def state_sources(steps: list[int], positions: list[Hashable] | None = None) -> dict[int, int]:
@@ -193,7 +213,7 @@ class Session:
         collective_timeout_s: float | None = None,
         rendezvous_timeout_s: float = 60.0,
         plan_timeout_s: float = 120.0,
-        checkpoints: LastResort | None = None,
+        checkpoints: LastResort | ShardedLastResort | None = None,
         position: Callable[[int], Hashable] | None = None,
     ) -> None:
         """``position``: what a rank holds, for a sharded model (its mesh position,
@@ -457,15 +477,17 @@ class Session:
         status.enter_collective(bounds.exchange_s())
         self.job.faults.fire(self.job.worker, "transfer", generation)
         steps, size, slowest = self._member_facts(rank, bounds.exchange_s())
-        if max(steps) < 0 and self.checkpoints is not None:
+        positions = None if self.position is None else [self.position(r) for r in range(len(steps))]
+        if self.checkpoints is not None and unheld(steps, positions):
             status.enter_collective(bounds.backstop_s)  # the load's time is the source's
-            if rank == 0:
+            if isinstance(self.checkpoints, ShardedLastResort):
+                self._restore_shards(rank, rec)
+            elif rank == 0:
                 self._load_checkpoint(rec)
             steps, size, slowest = self._member_facts(rank, bounds.backstop_s)
         bounds.join(slowest)
         fresh = max(steps) < 0
-        n = len(steps)
-        source = state_sources(steps, None if self.position is None else [self.position(r) for r in range(n)])
+        source = state_sources(steps, positions)
         received = 0
         mine_to = [r for r, src in source.items() if src == rank]
         if mine_to:
@@ -490,8 +512,22 @@ class Session:
         self._has_state = True
         return received
 
+    def _restore_shards(self, rank: int, rec: Recovery | None) -> None:
+        """Every member loads its shards of the newest checkpoint (see ShardedLastResort)."""
+        assert isinstance(self.checkpoints, ShardedLastResort)
+        t0 = time.perf_counter()
+        got = self.checkpoints.restore(rank, self.bounds.backstop_s)
+        if got is None:
+            self.log.info("no_checkpoint", reason="no checkpoint every member can read")
+            return
+        state = self.state.state_dict()  # the tracked objects as just loaded ...
+        if got.rng is not None:
+            state["rng"] = got.rng  # ... with this rank's RNG state as saved
+        self.state.load_state_dict(state, fresh=False)
+        self._restored(got.step, got.tier, rec, t0)
+
     def _load_checkpoint(self, rec: Recovery | None) -> None:
-        assert self.checkpoints is not None
+        assert self.checkpoints is not None and not isinstance(self.checkpoints, ShardedLastResort)
         t0 = time.perf_counter()
         try:
             loaded = self.checkpoints.load()
@@ -504,14 +540,15 @@ class Session:
             raise RecoveryError(f"checkpoint {loaded.step} holds no training state: {type(got).__name__}")
         self.step = self.job.status.step = step
         self.state.load_state_dict(got["state"], fresh=False)
+        self._restored(step, loaded.tier, rec, t0)
+
+    def _restored(self, step: int, tier: str, rec: Recovery | None, t0: float) -> None:
+        self.step = self.job.status.step = step
         self._has_state = True
         if rec is not None:
-            rec.checkpoint_tier = loaded.tier
+            rec.checkpoint_tier = tier
         self.log.warning(
-            "restored_from_checkpoint",
-            step=step,
-            tier=loaded.tier,
-            seconds=round(time.perf_counter() - t0, 3),
+            "restored_from_checkpoint", step=step, tier=tier, seconds=round(time.perf_counter() - t0, 3)
         )
 
     def _report(self, rec: Recovery) -> None:
@@ -564,6 +601,8 @@ __all__ = [
     "Removed",
     "Restore",
     "Session",
+    "ShardedLastResort",
     "Stateful",
     "state_sources",
+    "unheld",
 ]
