@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 
 NODES = ["ctl", "a", "b"]
 LAYOUT = {"a": (2, 0), "b": (2, 0)}
-STEPS = 1000  # long enough (~40 s) for two workers to start and warm up one after the other
+STEPS = 800  # long enough (~30 s) for two workers to start and warm up one after the other (the last grows at step ~400 here)
 SHORT = 250  # for changes that start nothing (~10 s)
 ELASTIC = ["--max-nproc", "4", "--min-nproc", "2", "--cooldown", "0.5s", "--grace", "10s"]
 RTOL = 1e-5
@@ -305,7 +305,7 @@ def test_with_exact_reduce_a_resized_run_is_bitwise_the_fixed_run(estack: LocalS
 
 
 # FSDP2 HSDP (2, 2): one replica group per node; the job shrinks and grows by whole groups.
-SHARDED_STEPS = 400  # long enough (~15 s) for two spares to start after the shrink
+SHARDED_STEPS = 220  # long enough (~20 s) for two spares to start after the shrink (at step ~90 here)
 SHARDED = [sys.executable, "-m", "tests.workers.fsdp_worker", "--replicas", "2", "--batch-size", "16",
            "--samples", "512", "--hidden", "128", "--depth", "2", "--steps", str(SHARDED_STEPS)]  # fmt: skip
 
