@@ -14,6 +14,7 @@ import pytest
 from phalanx.runtime.comm import CommError, Communicator
 from phalanx.runtime.mesh import group_size_of
 from phalanx.runtime.session import RecoveryError, state_sources, unheld
+from phalanx.runtime.sharded import mesh_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,3 +117,20 @@ def test_dtensor_shards_travel_as_plain_tensors_and_come_back_laid_out_like_ours
         [sys.executable, "-c", SHARDS_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+
+
+def test_a_mesh_keeps_its_replica_group_and_follows_the_world_in_its_first_dimension() -> None:
+    assert mesh_shape((2, -1), 4, 2) == (2, 2)  # the start
+    assert mesh_shape((-1, 2), 8, 2) == (4, 2)
+    # a spare joining a job shrunk to one group: the group stays, the replicas follow
+    assert mesh_shape((2, -1), 2, 2) == (1, 2)
+    assert mesh_shape((2, 2), 6, 2) == (3, 2)
+    assert mesh_shape((-1,), 2, 2) == (2,) and mesh_shape((4,), 4, 4) == (4,)
+    assert mesh_shape((2, 2, -1), 8, 4) == (2, 2, 2)
+    # a group size that is not the mesh's: refused, saying what to run
+    with pytest.raises(ValueError, match="--group-size 2"):
+        mesh_shape((2, -1), 4, 1)
+    with pytest.raises(ValueError, match="--group-size 3"):
+        mesh_shape((2, 3), 6, 2)
+    with pytest.raises(ValueError, match="at most one -1"):
+        mesh_shape((-1, -1), 4, 2)

@@ -44,7 +44,7 @@ class _Loop(Protocol):
     def _fail(self, err: CommError) -> None: ...
 
 
-__all__ = ["StepGuard", "first_plan", "load_shards", "mesh_for_job"]
+__all__ = ["StepGuard", "first_plan", "load_shards", "mesh_for_job", "mesh_shape"]
 
 
 class StepGuard:
@@ -103,26 +103,45 @@ def first_plan(job: Member) -> Plan:
 
 
 def mesh_for_job(job: Member, shape: tuple[int, ...], names: tuple[str, ...], device: torch.device) -> Mesh:
-    """The job's :class:`Mesh` of ``shape`` (one dimension may be -1: the rest of the
-    world), at this worker's rank in the first plan that names it."""
-    if sum(1 for d in shape if d == -1) > 1 or any(d == 0 or d < -1 for d in shape):
-        raise ValueError(f"mesh shape {shape}: dimensions >= 1, at most one -1 (the rest of the world)")
+    """The job's :class:`Mesh` of ``shape`` (:func:`mesh_shape`), at this worker's rank
+    in the first plan that names it."""
     plan = first_plan(job)
     rank = plan.rank_of(job.worker)
     assert rank is not None
-    known = math.prod(d for d in shape if d != -1)
-    if -1 in shape:
-        if plan.world_size % known:
-            raise ValueError(f"mesh {shape} does not divide the job's {plan.world_size} ranks")
-        shape = tuple(plan.world_size // known if d == -1 else d for d in shape)
-    group = group_size_of(shape)
-    if group != plan.group_size:
-        raise ValueError(
-            f"job.mesh({shape}) has replica groups of {group} ranks, the job {plan.group_size}:"
-            f" start it with `phalanx run --group-size {group}` (so that it grows and shrinks by"
-            " whole groups and every rank keeps its shard)"
-        )
+    shape = mesh_shape(tuple(shape), plan.world_size, plan.group_size)
     return Mesh(job.comm, shape, names, rank=rank, device_type=device.type)
+
+
+def mesh_shape(shape: tuple[int, ...], world: int, group_size: int) -> tuple[int, ...]:
+    """``shape`` (one dimension may be -1: the rest of the world) at a world of ``world``
+    ranks in replica groups of ``group_size`` (the job's ``--group-size``).
+
+    The dimensions past the first are a replica group's and stay the job's for life; the
+    first (replicate) one follows the world. So a spare that joins a job shrunk to one
+    replica group gets ``(1, 2)`` from the script's ``(2, -1)``.
+
+    >>> mesh_shape((2, -1), 4, 2), mesh_shape((2, -1), 2, 2), mesh_shape((-1,), 2, 2)
+    ((2, 2), (1, 2), (2,))
+    """
+    if not shape or sum(1 for d in shape if d == -1) > 1 or any(d == 0 or d < -1 for d in shape):
+        raise ValueError(f"mesh shape {shape}: dimensions >= 1, at most one -1 (the rest of the world)")
+    known = math.prod(d for d in shape if d != -1)
+    as_given = tuple(world // known if d == -1 else d for d in shape)
+    if math.prod(as_given) == world and group_size_of(as_given) == group_size:
+        return as_given
+    inner = shape[1:]
+    if len(shape) > 1 and group_size > 1 and world % group_size == 0:
+        rest = math.prod(d for d in inner if d != -1)
+        if -1 in inner and group_size % rest == 0:
+            inner = tuple(group_size // rest if d == -1 else d for d in inner)
+        if math.prod(inner) == group_size:
+            return (world // group_size, *inner)
+    group = group_size_of(as_given)
+    raise ValueError(
+        f"job.mesh({shape}) at {world} ranks has replica groups of {group} ranks, the job"
+        f" {group_size}: start it with `phalanx run --group-size {group}` (so that it grows and"
+        " shrinks by whole groups and every rank keeps its shard)"
+    )
 
 
 def load_shards(obj: Any, got: Any, name: str) -> Any:
