@@ -86,14 +86,13 @@ class ShardedCheckpoints:
     """``job.checkpoint(every=N)`` of a job with a ``job.mesh()`` (see the module doc)."""
 
     def __init__(self, job: str, every: int, mesh: Mesh, tracked: dict[str, Any], status: _Status) -> None:
-        if type(every) is not int or every < 1:
-            raise ValueError(f"checkpoint every must be an int >= 1, got {every!r}")
+        """``every``: as :meth:`phalanx.runtime.loop.UserLoop.checkpoint` checked it."""
         models = [o for o in tracked.values() if isinstance(o, nn.Module)]
         if len(models) != 1:
             raise TypeError(
                 f"job.checkpoint() needs exactly one tracked model (job.track(model=...)), got {len(models)}"
             )
-        self.job, self.every, self.mesh, self.tracked, self.status = job, every, mesh, tracked, status
+        self.job, self.every, self.mesh, self.status = job, every, mesh, status
         self.model = models[0]
         self.optimizers = [o for o in tracked.values() if isinstance(o, torch.optim.Optimizer)]
         self.others = {
@@ -138,7 +137,7 @@ class ShardedCheckpoints:
             limit = 2**62
             while True:
                 mine = next((s for s in steps if s <= limit), -1)
-                step = self._agree(mine, dist.ReduceOp.MIN)
+                step = self._least(mine)
                 if step < 0:
                     return None
                 try:
@@ -146,7 +145,7 @@ class ShardedCheckpoints:
                 except (NoCheckpoint, ValueError, OSError, WireError) as exc:
                     self.log.warning("checkpoint_unreadable", step=step, error=str(exc)[:1000])
                     reader = None
-                if self._agree(int(reader is not None), dist.ReduceOp.MIN):
+                if self._least(int(reader is not None)):
                     assert reader is not None
                     break
                 limit = step - 1
@@ -181,9 +180,10 @@ class ShardedCheckpoints:
             "step": step,
         }
 
-    def _agree(self, value: int, op: dist.ReduceOp.RedOpType) -> int:
+    def _least(self, value: int) -> int:
+        """The smallest of every member's ``value`` (what all of them agree on)."""
         t = torch.tensor([value], dtype=torch.int64, device=torch.device(self.mesh.device_mesh.device_type))
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
     @contextmanager
