@@ -52,10 +52,9 @@ class FailurePolicy(Protocol):
 
 def _spares_by_preference(state: JobState, prefer: str | None, exclude: str | None = None) -> list[str]:
     """Usable spares: those on ``prefer`` first, never those on ``exclude`` or a lost node."""
-    usable = [
-        s for s in state.spares if (n := state.node_of(s)) != exclude and not (n and state.nodes[n].lost)
-    ]
-    return sorted(usable, key=lambda s: state.node_of(s) != prefer)
+    where = state.worker_nodes()
+    usable = [s for s in state.spares if (n := where.get(s)) != exclude and not (n and state.nodes[n].lost)]
+    return sorted(usable, key=lambda s: where.get(s) != prefer)
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,9 @@ class ReplaceOrShrink:
         spares = _spares_by_preference(state, prefer, exclude)
         taken = dict(zip(sorted(lost, key=lambda w: plan.rank_of(w) or 0), spares, strict=False))
         if len(taken) == len(lost):
-            members = [Member(rank=m.rank, worker=taken.get(m.worker, m.worker)) for m in by_rank]
+            members = [
+                m if m.worker not in taken else Member(rank=m.rank, worker=taken[m.worker]) for m in by_rank
+            ]
             how = ", ".join(
                 f"hot spare {s}{' on ' + n if (n := state.node_of(s)) and n != 'local' else ''} takes "
                 f"{w}'s rank {plan.rank_of(w)}"

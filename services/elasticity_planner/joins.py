@@ -121,16 +121,20 @@ def maybe_start(ctx: Ctx) -> None:
     state = ctx.state
     if state.phase is not JobPhase.WAITING or len(state.live_nodes()) < state.spec.min_nodes:
         return
-    nodes = [(n, state.nodes[n].workers[: state.nodes[n].ranks]) for n in state.live_nodes()]
+    live = state.live_nodes()
+    if len(state.ranks) < sum(state.nodes[n].ranks for n in live):
+        return  # some rank has not registered yet (checked first: this runs on every registration)
+    nodes = [(n, state.nodes[n].workers[: state.nodes[n].ranks]) for n in live]
     expected = [w for _, workers in nodes for w in workers]
-    if not expected or any(w not in state.ranks for w in expected):
+    registered = set(state.ranks)
+    if not expected or any(w not in registered for w in expected):
         return
     group = state.spec.elastic.group_size
     order = place(nodes, group)
     members = [Member(rank=i, worker=w) for i, w in enumerate(order)]
     state.start_world = len(members)
     reason = f"{len(members)} ranks registered on {len(state.live_nodes())} node(s)"
-    if warning := describe(lone_shards(order, {w: state.node_of(w) for w in order}, group), group):
+    if warning := describe(lone_shards(order, state.worker_nodes(), group), group):
         reason += f"; {warning}"
         ctx.log("placement_unsafe", level="warning", detail=warning)
     apply(ctx, None, Decision(Action.START, reason, members=members))

@@ -26,7 +26,7 @@ from phalanx.services.elasticity_planner.failure_policy import FailurePolicy
 from phalanx.services.elasticity_planner.scaling_policy import ScalingPolicy
 
 from phalanx.batchplan import plan_for
-from phalanx.contract import Action, BatchPlan, JobPhase, JobState, Plan, PlanDecision, SpawnWorkers
+from phalanx.contract import Action, BatchPlan, JobPhase, JobState, Member, Plan, PlanDecision, SpawnWorkers
 from phalanx.worker.addr import split_addr
 
 
@@ -87,7 +87,7 @@ def apply(ctx: Ctx, incident: str | None, d: Decision, proposal: str | None = No
         if w not in state.lost and (node := state.node_of(w)) is not None:
             # The slot of a worker that failed is not used again until the cluster
             # offers capacity on that node again: a faulty device is not crash-looped.
-            state.nodes[node].slots = max(0, slots(state, node) - 1)
+            state.node(node).slots = max(0, slots(state, node) - 1)
         state.lost.add(w)
         if w in state.spares:
             state.spares.remove(w)
@@ -105,6 +105,7 @@ def apply(ctx: Ctx, incident: str | None, d: Decision, proposal: str | None = No
         if state.plan is None or len(d.members) != state.plan.world_size or d.spares_used:
             state.changed_at = now
         workers = [m.worker for m in d.members] + state.spares
+        where = state.worker_nodes()
         plan = Plan(
             job=ctx.job,
             ts=now,
@@ -118,13 +119,14 @@ def apply(ctx: Ctx, incident: str | None, d: Decision, proposal: str | None = No
             store_addr=_store_for(state),
             launch=state.run,
             group_size=state.spec.elastic.group_size,
-            nodes={w: n for w in workers if (n := state.node_of(w)) is not None},
+            nodes={w: n for w in workers if (n := where.get(w)) is not None},
             lost_launchers=list(state.lost_launchers),
             lost_hosts=_lost_hosts(state),
             planned=d.planned,
             leaving=d.leaving,
             leave_by=d.leave_by or (now + state.spec.elastic.grace_s if d.leaving else 0.0),
             batch=batch,
+            shrunk=shrunk_ranks(state.plan, d.members),
         )
         fault = ctx.faults.get(incident) if incident else None
         ctx.emit(Committed(generation, incident, state.plan.world_size if state.plan else 0, fault))
@@ -156,6 +158,21 @@ def apply(ctx: Ctx, incident: str | None, d: Decision, proposal: str | None = No
     else:
         state.timers.clear()
         state.deferred = []
+
+
+def shrunk_ranks(prev: Plan | None, members: list[Member]) -> list[int]:
+    """The previous generation's ranks left out when ``members`` are exactly its members
+    minus them, in the same order, with no one joining (``Plan.shrunk``: an NCCL
+    communicator may then be shrunk instead of built again); [] otherwise."""
+    if prev is None:
+        return []
+    new = [m.worker for m in sorted(members, key=lambda m: m.rank)]
+    old = [m.worker for m in sorted(prev.members, key=lambda m: m.rank)]
+    kept = set(new)
+    left = [r for r, w in enumerate(old) if w not in kept]
+    if not left or len(left) > 4096 or new != [w for w in old if w in kept]:
+        return []
+    return left
 
 
 def _lost_hosts(state: JobState) -> list[str]:
@@ -199,7 +216,7 @@ def refill(ctx: Ctx) -> None:
         if count <= 0:
             continue
         names = new_names(state, node, count)
-        state.nodes[node].workers.extend(names)
+        state.node(node).workers.extend(names)
         for w in names:
             state.spawned[w] = now
         want -= count

@@ -97,7 +97,7 @@ class Reducer:
     ) -> tuple[JobState | None, list[Effect]]:
         """The job's next state (None: still no record) and what to do once it is committed."""
         effects: list[Effect] = []
-        mine = state.model_copy(deep=True) if state is not None else None  # the given one stays as it is
+        mine = state.clone() if state is not None else None  # the given one stays as it is
         if isinstance(event, ev.JoinRequest):
             new = self._join(mine, event, now, effects)
         elif mine is None:
@@ -207,6 +207,7 @@ class Reducer:
         if node is None or node.lost or (m.launcher and m.launcher != node.launcher):
             ctx.log("node_lost_ignored", node=m.node, incident=m.incident)
             return
+        node = state.node(m.node)
         node.lost = True
         state.lost_launchers.append(node.launcher)
         incident = Incident(

@@ -63,7 +63,7 @@ def signal(ctx: Ctx, event: ev.Capacity | ev.Preemption) -> None:
             delta = offered - state.offered.get(node, 0)
             state.offered[node] = offered
             if delta > 0:
-                state.nodes[node].slots = slots(state, node) + delta
+                state.node(node).slots = slots(state, node) + delta
                 ctx.log("capacity_offered", node=node, slots=delta)
         refill(ctx)
         return
@@ -73,11 +73,11 @@ def signal(ctx: Ctx, event: ev.Capacity | ev.Preemption) -> None:
     workers = [w for w in msg.workers if state.node_of(w) is not None]
     for node in msg.nodes:
         if node in state.nodes:
-            state.nodes[node].slots = 0  # reclaimed: nothing is started there again
+            state.node(node).slots = 0  # reclaimed: nothing is started there again
             workers += state.alive(node)
     for w in msg.workers:  # a pod taken away: its slot goes with it
         if (node := state.node_of(w)) is not None and w not in state.lost:
-            state.nodes[node].slots = max(0, slots(state, node) - 1)
+            state.node(node).slots = max(0, slots(state, node) - 1)
     workers = [w for w in dict.fromkeys(workers) if w not in state.lost]
     if not workers or state.plan is None:
         return

@@ -222,3 +222,15 @@ def test_a_spare_that_became_a_member_is_not_waited_for_as_starting() -> None:
     state, effects = R.step(state, failed("w2", 2, 2), T0 + 20)  # no spare left, below the minimum
     assert state is not None and state.phase is JobPhase.STOPPED
     assert [d.decision.action for d in of(effects, Decided)] == [Action.STOP]
+
+
+def test_a_shrink_with_no_joiner_names_the_ranks_left_out_and_a_replacement_names_none() -> None:
+    state, _ = R.step(None, join(spec(4, 0, min_world_size=2)), T0)
+    for i in range(4):
+        state, _ = R.step(state, registered(f"w{i}"), T0)
+    state, _ = R.step(state, failed("w1", 1, 1), T0 + 10)
+    assert state is not None and state.plan is not None and state.plan.world_size == 3
+    assert [m.worker for m in sorted(state.plan.members, key=lambda m: m.rank)] == ["w0", "w2", "w3"]
+    assert state.plan.shrunk == [1]  # an NCCL communicator may be shrunk: the survivors keep their order
+    state, _ = R.step(started(R), failed("w1", 1, 1), T0 + 10)  # the spare takes the rank: a joiner
+    assert state is not None and state.plan is not None and state.plan.shrunk == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, ClassVar
 
 import msgpack
@@ -27,15 +28,18 @@ from phalanx.contract.proto import examples
 EXAMPLES = examples()
 
 
-def _headers(kind: str, version: str = "1", encoding: str | None = "msgpack") -> dict[str, str]:
-    h = {HDR_KIND: kind, HDR_SCHEMA: version}
+def _headers(kind: str, version: str | None = None, encoding: str | None = "msgpack") -> dict[str, str]:
+    cls = registry().get(kind)
+    h = {HDR_KIND: kind, HDR_SCHEMA: str(cls.SCHEMA_VERSION if cls else 1) if version is None else version}
     if encoding is not None:
         h[HDR_ENCODING] = encoding
     return h
 
 
 def _payload(kind: str) -> dict[str, Any]:
-    data, _ = encode(EXAMPLES[kind])
+    data, headers = encode(EXAMPLES[kind])
+    if headers[HDR_ENCODING] == "msgpack+zlib":
+        data = zlib.decompress(data)
     out = msgpack.unpackb(data, raw=False)
     assert isinstance(out, dict)
     return out
@@ -52,7 +56,8 @@ def _pack(obj: Any) -> bytes:
 def test_round_trip_every_kind(kind: str) -> None:
     msg = EXAMPLES[kind]
     data, headers = encode(msg)
-    assert headers == {HDR_KIND: kind, HDR_SCHEMA: str(type(msg).SCHEMA_VERSION), HDR_ENCODING: "msgpack"}
+    encoding = "msgpack+zlib" if type(msg).COMPRESSED else "msgpack"
+    assert headers == {HDR_KIND: kind, HDR_SCHEMA: str(type(msg).SCHEMA_VERSION), HDR_ENCODING: encoding}
     assert decode(data, headers) == msg
     assert decode(data, headers, type(msg)) == msg
     assert type(decode(data, headers)) is type(msg)
@@ -108,9 +113,9 @@ def test_unknown_kind() -> None:
 
 @pytest.mark.parametrize("version", ["2", "0", "", "one"])
 def test_schema_version_mismatch(version: str) -> None:
-    data, _ = encode(EXAMPLES["plan"])
-    err = _refused(data, _headers("plan", version=version))
-    assert "schema version" in err.reason and "speaks 1" in err.reason and err.kind == "plan"
+    data, _ = encode(EXAMPLES["rank_failed"])
+    err = _refused(data, _headers("rank_failed", version=version))
+    assert "schema version" in err.reason and "speaks 1" in err.reason and err.kind == "rank_failed"
 
 
 def test_missing_schema_header() -> None:

@@ -29,6 +29,9 @@ class Message(BaseModel):
 
     KIND: ClassVar[str] = ""
     SCHEMA_VERSION: ClassVar[int] = 1
+    COMPRESSED: ClassVar[bool] = False
+    """Sent as zlib-compressed msgpack (``Phalanx-Encoding: msgpack+zlib``): the plan and
+    the job record, whose runs of similar names shrink several times more."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

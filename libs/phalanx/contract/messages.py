@@ -10,11 +10,12 @@ the current generation's process group, and changes only through a plan.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, PlainSerializer, WithJsonSchema, model_validator
 
 from phalanx.contract._base import JobMessage, Message, now
+from phalanx.contract.runs import Ints, Names, NodeMap, from_runs, to_runs
 
 WorkerId = str
 Evidence = dict[str, str | int | float | bool]
@@ -301,7 +302,7 @@ class BatchPlan(Message):
     global_batch: int = Field(ge=1)
     effective_batch: int = Field(ge=1)
     world_size: int = Field(ge=1)
-    shards: list[int] = Field(description="Samples each rank trains per step.")
+    shards: Ints = Field(description="Samples each rank trains per step (run-length on the wire).")
     micro_batch: int = Field(default=0, ge=0)
     accum: int = Field(default=1, ge=1, description="Micro-batches of the largest shard.")
     lr_rule: LrRule = LrRule.NONE
@@ -408,16 +409,44 @@ class Member(Message):
     worker: WorkerId
 
 
+def _members_in(value: Any) -> Any:
+    """Runs of names in rank order (the wire), or Member objects / dicts (code, old payloads)."""
+    if isinstance(value, list | tuple) and value and all(isinstance(v, list | tuple | str) for v in value):
+        return [{"rank": r, "worker": w} for r, w in enumerate(from_runs(value))]
+    return value
+
+
+def _members_out(members: list[Member]) -> list[list[Any]]:
+    return to_runs(m.worker for m in sorted(members, key=lambda m: m.rank))
+
+
+Members = Annotated[
+    list[Member],
+    BeforeValidator(_members_in),
+    PlainSerializer(_members_out, when_used="json"),
+    WithJsonSchema(
+        {
+            "type": "array",
+            "description": "the members in rank order, as runs of names: [prefix, first, count]"
+            " (rank r is the r-th name); a list of {rank, worker} is also read",
+            "items": {"type": "array"},
+        }
+    ),
+]
+
+
 class Plan(JobMessage):
     """Membership of one generation. Committed by the planner in KV (compare-and-set)
     before it is published. Receivers keep the newest (``supersedes``): the higher fencing
     token wins, then the higher generation."""
 
     KIND = "plan"
+    SCHEMA_VERSION = 2  # 2: runs of names for members, spares, nodes (runs.py); zlib
+    COMPRESSED = True
     generation: int = Field(ge=1)
-    members: list[Member]
-    spares: list[WorkerId] = Field(default_factory=list)
-    removed: list[WorkerId] = Field(default_factory=list, description="Workers to fence (kill).")
+    members: Members
+    spares: Names = Field(default_factory=list)
+    removed: Names = Field(default_factory=list, description="Workers to fence (kill).")
     incident: str | None = None
     reason: str
     store_prefix: str = Field(description="Rendezvous prefix, unique per generation.")
@@ -438,7 +467,7 @@ class Plan(JobMessage):
     group_size: int = Field(
         default=1, ge=1, le=65536, description="Ranks per replica group (the job's elastic.group_size)."
     )
-    nodes: dict[WorkerId, NodeId] = Field(
+    nodes: NodeMap = Field(
         default_factory=dict, description="The node of every member and spare (worker -> node)."
     )
     lost_launchers: list[str] = Field(
@@ -463,7 +492,7 @@ class Plan(JobMessage):
         default=False,
         description="A resize at a step boundary: members switch after the step whose all-reduce says so.",
     )
-    leaving: list[WorkerId] = Field(
+    leaving: Names = Field(
         default_factory=list,
         description="Workers that leave gracefully: finish the step, exit 0; fenced only after leave_by.",
     )
@@ -471,6 +500,13 @@ class Plan(JobMessage):
         default=0.0, ge=0, description="Wall time after which leaving workers are fenced."
     )
     batch: BatchPlan | None = Field(default=None, description="How this generation splits the global batch.")
+    shrunk: list[int] = Field(
+        default_factory=list,
+        max_length=4096,
+        description="When this generation is exactly the previous one's members minus some, in the same"
+        " order, with no one joining: the previous generation's ranks left out (an NCCL communicator may"
+        " then be shrunk instead of built again). Empty otherwise.",
+    )
 
     @model_validator(mode="after")
     def _dense(self) -> Plan:

@@ -65,7 +65,7 @@ from phalanx.contract import (
     registry,
 )
 from phalanx.contract.cluster import ClusterState
-from phalanx.contract.codec import ENCODING, HDR_ENCODING, HDR_KIND, HDR_SCHEMA
+from phalanx.contract.codec import ENCODING, HDR_ENCODING, HDR_KIND, HDR_SCHEMA, headers_for
 from phalanx.contract.streams import CLUSTER_BUCKET, DUPLICATE_WINDOW_S, JOBS_BUCKET, STREAMS, StreamSpec
 from phalanx.contract.subjects import (
     ACK,
@@ -438,8 +438,9 @@ def headers_schema(cls: type[Message], transport: Transport | None = None) -> di
         },
         HDR_ENCODING: {
             "type": "string",
-            "const": ENCODING,
-            "description": "Payload encoding; receivers read a missing header as msgpack.",
+            "const": headers_for(cls)[HDR_ENCODING],
+            "description": "Payload encoding (msgpack, or msgpack+zlib: zlib-compressed msgpack);"
+            " receivers read either, and a missing header as msgpack.",
         },
         "traceparent": {
             "type": "string",
@@ -472,7 +473,7 @@ def kind_schema(cls: type[Message]) -> dict[str, Any]:
         "$id": f"urn:phalanx:schema:{cls.KIND}:v{cls.SCHEMA_VERSION}",
         "x-phalanx-kind": cls.KIND,
         "x-phalanx-schema-version": cls.SCHEMA_VERSION,
-        "x-phalanx-encoding": ENCODING,
+        "x-phalanx-encoding": headers_for(cls)[HDR_ENCODING],
         "x-phalanx-content-type": CONTENT_TYPE,
         "x-phalanx-headers": headers_schema(cls),
         "x-phalanx-subjects": [s.pattern for s in CATALOGUE if s.message is cls]
@@ -622,7 +623,7 @@ def asyncapi_doc() -> dict[str, Any]:
             msg["summary"] = " ".join(cls.__doc__.split())
         if key in ex:
             sample = ex[key]
-            hdrs = {HDR_KIND: cls.KIND, HDR_SCHEMA: str(cls.SCHEMA_VERSION), HDR_ENCODING: ENCODING}
+            hdrs = headers_for(cls)
             msg["examples"] = [
                 {"name": f"{key}-example", "headers": hdrs, "payload": sample.model_dump(mode="json")}
             ]
