@@ -116,7 +116,8 @@ def apply(ctx: Ctx, incident: str | None, d: Decision, proposal: str | None = No
             incident=incident,
             reason=d.reason,
             store_prefix=f"{ctx.job}/gen{generation}",
-            store_addr=_store_for(state),
+            store_addr=(root := _store_for(state)),
+            store_addrs=_spread_stores(state, root),
             launch=state.run,
             group_size=state.spec.elastic.group_size,
             nodes={w: n for w in workers if (n := where.get(w)) is not None},
@@ -188,6 +189,17 @@ def _store_for(state: JobState) -> str:
     if any(s.store_addr == current and not s.lost for s in state.nodes.values()):
         return current
     return next((s.store_addr for s in state.nodes.values() if not s.lost), "")
+
+
+MAX_SPREAD_STORES = 63
+
+
+def _spread_stores(state: JobState, root: str) -> list[str]:
+    """Up to 63 other live nodes' stores, a large generation's rendezvous keys are spread
+    over besides the root (phalanx.runtime.rendezvous; ignored below its size threshold):
+    the same for every member, by node name, so that a lost node moves few keys."""
+    live = sorted(n for n, s in state.nodes.items() if not s.lost and s.store_addr and s.store_addr != root)
+    return list(dict.fromkeys(state.nodes[n].store_addr for n in live))[:MAX_SPREAD_STORES]
 
 
 def slots(state: JobState, node: str) -> int:

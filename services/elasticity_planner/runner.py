@@ -5,11 +5,17 @@ after the job's record is committed, in order; each effect after a
 :class:`~.effects.Traced` runs in that incident's ``plan`` span context, so a plan,
 its decision and the ``notify`` span that follows join the incident's trace.
 
+A committed plan goes out twice: whole on ``phalanx.cmd.<job>.plan`` (the services)
+and as a :class:`~phalanx.contract.PlanDelta` of the plan announced before it on
+``phalanx.cmd.<job>.delta`` (the launchers: one small message whatever the job's size).
+
 It also keeps what only the leader's memory holds: each committed plan's
-acknowledgements (the plan is sent again on ``phalanx.cmd.<job>.plan`` every
-``republish_s``, backing off to 8x, until every member acknowledged it; then the
-reducer learns it as :class:`~.events.AllAcked`), the timers armed from the
-record's deadlines, and the book of recoveries in flight (:mod:`.recoveries`).
+acknowledgements (a rank's :class:`~phalanx.contract.PlanAck`, or its launcher's
+:class:`~phalanx.contract.NodeAck` for all the node's ranks at once; the plan and
+its delta are sent again every ``republish_s``, backing off to 8x, until every
+member acknowledged it; then the reducer learns it as :class:`~.events.AllAcked`),
+the last plan announced per job (the base of the next delta), the timers armed from
+the record's deadlines, and the book of recoveries in flight (:mod:`.recoveries`).
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ from phalanx.services.elasticity_planner.recoveries import Fault as FaultSeen
 from phalanx.services.elasticity_planner.recoveries import RecoveryBook
 
 from phalanx.bus import Bus
-from phalanx.contract import DecodeError, JobState, Plan, PlanAck
-from phalanx.contract.subjects import DECISION, JOINED, PLAN, SPAWN
+from phalanx.contract import DecodeError, JobState, NodeAck, Plan, PlanAck, PlanDelta, plan_delta
+from phalanx.contract.subjects import DECISION, DELTA, JOINED, PLAN, SPAWN
 from phalanx.metrics import PlannerMetrics
 from phalanx.telemetry import inject_headers
 
@@ -54,6 +60,7 @@ class _Pending:
     """A committed generation waiting for its members' acknowledgements."""
 
     plan: Plan
+    delta: PlanDelta
     notify: Span
     waiting: set[str]
     sent_at: float
@@ -106,6 +113,7 @@ class EffectRunner:
         self.fire = fire
         self.republish_s = republish_s
         self.pending: dict[str, _Pending] = {}
+        self.announced: dict[str, Plan] = {}  # job -> the plan its launchers were sent last
         self.recoveries = RecoveryBook(metrics, log, acks_due=self._acks_due)
         self.timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         self.decisions = 0
@@ -151,9 +159,12 @@ class EffectRunner:
             plan = state.plan if state is not None else None
             if plan is None or plan.generation != effect.generation:
                 return  # a generation the same step went past: only the committed one is sent
-            self._track(plan, time.monotonic() - (self.republish_s if effect.resend else 0.0))
+            delta = plan_delta(self.announced.get(job), plan)
+            self.announced[job] = plan
+            self._track(plan, delta, time.monotonic() - (self.republish_s if effect.resend else 0.0))
             if not effect.resend:
                 await self.bus.publish(PLAN, plan, job=job, msg_id=f"{job}:plan:{plan.generation}")
+                await self.bus.publish(DELTA, delta, job=job, msg_id=f"{job}:delta:{plan.generation}")
         elif isinstance(effect, Spawn):
             await self.bus.publish(SPAWN, effect.ask, job=job, msg_id=effect.msg_id)
         elif isinstance(effect, Committed) and state is not None:
@@ -198,7 +209,7 @@ class EffectRunner:
             handle.cancel()
 
     # -- telling the members -------------------------------------------------------------
-    def _track(self, plan: Plan, sent_at: float) -> None:
+    def _track(self, plan: Plan, delta: PlanDelta, sent_at: float) -> None:
         prev = self.pending.pop(plan.job, None)
         if prev is not None:
             prev.notify.set_attribute("phalanx.superseded_by", plan.generation)
@@ -206,18 +217,27 @@ class EffectRunner:
         notify = _tracer.start_span(
             "notify", attributes={"phalanx.job": plan.job, "phalanx.generation": plan.generation}
         )
-        self.pending[plan.job] = _Pending(plan, notify, {m.worker for m in plan.members}, sent_at)
+        self.pending[plan.job] = _Pending(plan, delta, notify, {m.worker for m in plan.members}, sent_at)
 
     def _acks_due(self, job: str, generation: int) -> bool:
         pending = self.pending.get(job)
         return pending is not None and pending.plan.generation == generation
 
-    def acked(self, ack: PlanAck) -> bool:
-        """Count a member's acknowledgement; True once every member of that plan has."""
+    def acked(self, ack: PlanAck | NodeAck, state: JobState | None = None) -> bool:
+        """Count a member's acknowledgement, or a node's for those of its workers it names
+        (only workers of that node count: a launcher speaks for its own node); True once
+        every member of that plan has."""
         pending = self.pending.get(ack.job)
-        if pending is None or ack.generation != pending.plan.generation or ack.worker not in pending.waiting:
-            return False  # stale, duplicate, or not a member of that plan
-        pending.waiting.discard(ack.worker)
+        if pending is None or ack.generation != pending.plan.generation:
+            return False  # stale, or no plan waits
+        if isinstance(ack, PlanAck):
+            workers = [ack.worker]
+        else:
+            where = state.worker_nodes() if state is not None else {}
+            workers = [w for w in ack.workers if where.get(w) == ack.node]
+        if not pending.waiting.intersection(workers):
+            return False  # duplicate, or not members of that plan
+        pending.waiting.difference_update(workers)
         if pending.waiting:
             return False
         pending.notify.end()
@@ -247,6 +267,8 @@ class EffectRunner:
                 try:
                     msg_id = f"{plan.job}:plan:{plan.generation}:{pending.sends}"
                     await self.bus.publish(PLAN, plan, job=plan.job, msg_id=msg_id, retry_for_s=2.0)
+                    msg_id = f"{plan.job}:delta:{plan.generation}:{pending.sends}"
+                    await self.bus.publish(DELTA, pending.delta, job=plan.job, msg_id=msg_id, retry_for_s=2.0)
                 except Exception as exc:
                     self.log.warning("plan_republish_failed", job=plan.job, error=repr(exc))
 
@@ -261,4 +283,5 @@ class EffectRunner:
         for p in self.pending.values():
             p.notify.end()
         self.pending.clear()
+        self.announced.clear()
         self.recoveries.forget()

@@ -47,9 +47,11 @@ import asyncio
 import contextlib
 import time
 import uuid
+from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from phalanx.services.elasticity_planner import events as ev
+from phalanx.services.elasticity_planner.effects import Effect
 from phalanx.services.elasticity_planner.failure_policy import FailurePolicy, ReplaceOrShrink
 from phalanx.services.elasticity_planner.inputs import JOB_INPUTS, RECOVERIES, REWOUND, SIGNALS, event_of
 from phalanx.services.elasticity_planner.journal import Journal, seal
@@ -59,6 +61,7 @@ from phalanx.services.elasticity_planner.runner import EffectRunner, Spans
 from phalanx.services.elasticity_planner.scaling_policy import GrowIntoSpares, ScalingPolicy
 
 from phalanx.bus import Bus, Conflict
+from phalanx.bus.consumer import process_span
 from phalanx.contract import (
     CapacityChanged,
     JobMessage,
@@ -66,6 +69,7 @@ from phalanx.contract import (
     JobSpec,
     JobState,
     Message,
+    NodeAck,
     PlanAck,
     PreemptionNotice,
     RecoveryDone,
@@ -77,6 +81,16 @@ from phalanx.metrics import PlannerMetrics
 from phalanx.service import Service
 from phalanx.settings import PlannerSettings, load
 from phalanx.worker.follow import record_key
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input of a transaction: its event, and where it came from (refusals name it)."""
+
+    event: ev.Event
+    subject: str = ""
+    kind: str = ""
+    raw: Msg | None = None
 
 
 class ElasticityPlanner(Service):
@@ -174,11 +188,22 @@ class ElasticityPlanner(Service):
                     self.log.warning("rewind_failed", durable=durable, error=repr(exc))
             for job in list(self.jobs):  # timers from the record's deadlines, unacknowledged plans
                 await self._txn(job, ev.Resumed(job=job))
-            handlers = [(i, self._on_input) for i in JOB_INPUTS]
-            handlers += [(RECOVERIES, self._on_recovered), (SIGNALS, self._on_signal)]
+            # A pull's job inputs are committed in one transaction per job (_on_inputs).
             self._consumers = [
+                self.bus.consume(
+                    i.stream,
+                    i.durable,
+                    i.wildcards(),
+                    self._on_input,
+                    i.kinds,
+                    batch_handler=self._on_inputs,
+                    **i.options,
+                )  # type: ignore[arg-type]
+                for i in JOB_INPUTS
+            ]
+            self._consumers += [
                 self.bus.consume(i.stream, i.durable, i.wildcards(), handler, i.kinds, **i.options)  # type: ignore[arg-type]
-                for i, handler in handlers
+                for i, handler in ((RECOVERIES, self._on_recovered), (SIGNALS, self._on_signal))
             ]
 
     async def _on_deposed(self) -> None:
@@ -254,21 +279,37 @@ class ElasticityPlanner(Service):
             self.journal.loaded(job, state)
 
     async def _txn(
-        self, job: str, event: ev.Event, subject: str = "", kind: str = "", attempts: int = 5
+        self, job: str, event: ev.Event, subject: str = "", kind: str = "", raw: Msg | None = None
     ) -> None:
-        """load -> step -> compare-and-set -> run effects. On a lost compare-and-set the
-        record is read again and the event stepped again on it; any other error
-        propagates and changes nothing."""
+        """One input in its own transaction (:meth:`_txn_many`)."""
+        await self._txn_many(job, [Input(event, subject, kind, raw)])
+
+    async def _txn_many(self, job: str, inputs: list[Input], attempts: int = 5) -> None:
+        """load -> step each input in order -> compare-and-set once -> run the effects of
+        each in order. On a lost compare-and-set the record is read again and every input
+        stepped again on it; any other error propagates and changes nothing.
+
+        Every input is stepped in its own message's span (its incident's trace), at the
+        same ``now``; only the last generation the inputs lead to is committed, sealed and
+        announced (the reducer's plans in between were never written)."""
         started_ns = time.time_ns()
         for _ in range(attempts):
             token = self.lease.check()
-            current = self.jobs.get(job)
+            current = state = self.jobs.get(job)
             now = time.time()
-            state, effects = self.reducer.step(current, event, now)
-            spans = Spans(effects, started_ns)
+            steps: list[tuple[list[Effect], Spans]] = []
+            planned_at = -1  # the input whose step made the plan committed now
+            for i, item in enumerate(inputs):
+                with process_span(item.raw) if item.raw is not None else contextlib.nullcontext():
+                    before = state.plan if state is not None else None
+                    state, effects = self.reducer.step(state, item.event, now)
+                    steps.append((effects, Spans(effects, started_ns)))
+                if state is not None and state.plan is not before:
+                    planned_at = i
             committed = None
             if state is not None and state != current:
                 if state.plan is not None and (current is None or state.plan != current.plan):
+                    effects, spans = steps[planned_at]
                     state.plan = committed = seal(state.plan, token, spans.trace_of_plan(effects))
                 record = JobRecord(job=job, ts=now, token=token, plan=state.plan, planner=state)
                 try:
@@ -276,17 +317,22 @@ class ElasticityPlanner(Service):
                 except Conflict:
                     self.conflicts += 1
                     self.log.warning("record_conflict", job=job, revision=self._revisions.get(job))
+                    for _, spans in steps:
+                        spans.end()
                     await self._load(job)
                     continue
-            spans.end()
+            for _, spans in steps:
+                spans.end()
             if state is None:
                 self.jobs.pop(job, None)
             else:
                 self.jobs[job] = state
                 self._gauges(state)
             if self.journal is not None:
-                self.journal.stepped(job, event, now, committed)
-            await self.runner.run(job, state, effects, spans, subject, kind)
+                for i, item in enumerate(inputs):
+                    self.journal.stepped(job, item.event, now, committed if i == planned_at else None)
+            for item, (effects, spans) in zip(inputs, steps, strict=True):
+                await self.runner.run(job, state, effects, spans, item.subject, item.kind)
             return
         raise RuntimeError(f"{job}: lost the record's compare-and-set {attempts} times in a row")
 
@@ -305,14 +351,19 @@ class ElasticityPlanner(Service):
 
     # -- inputs ------------------------------------------------------------------------
     async def _on_input(self, msg: Message, raw: Msg) -> None:
-        """A job's input: its event, stepped in a transaction. Acks are counted at once,
-        outside the lock (the notify span and the recovery's notify time end with the last)."""
-        assert isinstance(msg, JobMessage)
-        if isinstance(msg, PlanAck) and not self.runner.acked(msg):
-            return
-        async with self._lock:
+        await self._on_inputs([(msg, raw)])
+
+    async def _on_inputs(self, items: list[tuple[Message, Msg]]) -> None:
+        """A pull of job inputs: each becomes its event, and each job's are stepped in
+        order in one transaction. Acks are counted at once, outside the lock (the notify
+        span and the recovery's notify time end with the last)."""
+        by_job: dict[str, list[Input]] = {}
+        for msg, raw in items:
+            assert isinstance(msg, JobMessage)
+            if isinstance(msg, PlanAck | NodeAck) and not self.runner.acked(msg, self.jobs.get(msg.job)):
+                continue
             event: ev.Event
-            if isinstance(msg, PlanAck):
+            if isinstance(msg, PlanAck | NodeAck):
                 event = ev.AllAcked(job=msg.job, generation=msg.generation)
             elif isinstance(msg, JobSpec):
                 offered = max((o.get(msg.node, 0) for o in self.cluster_offered.values()), default=0)
@@ -320,7 +371,10 @@ class ElasticityPlanner(Service):
                 event = ev.JoinRequest(msg=msg, run=run, offered=offered, sched_seq=self.sched_seq)
             else:
                 event = event_of(msg)
-            await self._txn(msg.job, event, raw.subject, msg.KIND)
+            by_job.setdefault(msg.job, []).append(Input(event, raw.subject, msg.KIND, raw))
+        async with self._lock:
+            for job, inputs in by_job.items():
+                await self._txn_many(job, inputs)
 
     async def _on_recovered(self, msg: Message, raw: Msg) -> None:
         assert isinstance(msg, RecoveryDone)

@@ -277,6 +277,26 @@ async def test_bad_jetstream_input_reports_an_error_and_never_reaches_the_handle
     await observer.close()
 
 
+async def test_a_batch_handler_gets_a_pull_at_once_and_a_failure_redelivers_all_of_it(bus: Bus) -> None:
+    batches: list[list[str]] = []
+    fail_first = [True]
+
+    async def handle(items: list[tuple[Message, Msg]]) -> None:
+        if fail_first[0]:
+            fail_first[0] = False
+            raise RuntimeError("KV away")  # nothing of the pull may count as handled
+        batches.append([m.incident for m, _ in items if isinstance(m, RankFailed)])
+
+    for i in range(6):  # queued before the consumer starts: its first pull takes them together
+        await bus.publish(FAILED, fault(f"b{i}"), job="j1", msg_id=f"b{i}")
+    await bus.js.publish(FAILED.format(job="j1"), b"\xc1", headers={"Phalanx-Kind": "rank_failed"})  # bad
+    bus.consume(EVENTS, "t-batch", [FAILED.wildcard()], Recorder(), (RankFailed,), batch_handler=handle)
+    await wait_for(lambda: sum(len(b) for b in batches) >= 6, "every message after the redelivery")
+    await wait_drained(bus, EVENTS.name, "t-batch")
+    assert [i for b in batches for i in b] == [f"b{i}" for i in range(6)] and len(batches[0]) > 1
+    assert bus.decode_errors == 1  # the bad one was refused once and terminated, never handed on
+
+
 async def test_bad_core_input_reports_an_error(nats_url: str, bus: Bus) -> None:
     rec = Recorder()
     await bus.subscribe(HEARTBEAT.wildcard(job="j1"), rec, Heartbeat)

@@ -70,10 +70,11 @@ async def test_the_record_is_followed_across_a_server_restart(nats_server: NatsS
 
 def test_a_rank_refuses_plans_of_a_replaced_planner_leader() -> None:
     agent = Agent(RankStatus(job=JOB, worker="w0"), Role.RANK, launch="r1")  # not started: no bus
-    agent._offer(plan(2, token=7), False)
-    agent._offer(plan(3, token=5), True)  # a deposed leader's plan: newer generation, older token
+    agent._offer_whole(plan(2, token=7), False)
+    agent._offer_whole(plan(3, token=5), True)  # a deposed leader's plan: newer generation, older token
     assert agent.latest is not None and agent.latest.plan.generation == 2
-    agent._offer(plan(3, token=9), False)
-    agent._offer(plan(4, token=9, launch="r0"), False)  # another run of the job: ignored
+    assert agent.latest.plan.ranks == {"w0": 0}  # its own part of the whole plan
+    agent._offer_whole(plan(3, token=9), False)
+    agent._offer_whole(plan(4, token=9, launch="r0"), False)  # another run of the job: ignored
     assert agent.latest.plan.generation == 3 and agent.latest.plan.token == 9
     assert agent.wait_plan(newer_than=2, timeout_s=0.1) is agent.latest

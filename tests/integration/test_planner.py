@@ -453,6 +453,7 @@ async def test_a_custom_failure_policy_decides_instead_of_the_default(
         event = failed("w1", 1)
         await bus.publish(FAILED, event, job=JOB, msg_id=event.incident)
         await watcher.wait_for(lambda: any(p.generation == 2 for p in watcher.plans))
+        await watcher.wait_for(lambda: any(d.incident == event.incident for d in watcher.decisions))
     gen2 = next(p for p in watcher.plans if p.generation == 2)
     assert [m.worker for m in gen2.members] == ["w0", "w2"] and gen2.spares == ["w3"]  # the spare stays one
     decision = next(d for d in watcher.decisions if d.incident == event.incident)

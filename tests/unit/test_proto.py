@@ -88,8 +88,13 @@ def validate(
                         errors += validate(arg, value[k], root, f"{path}.{k}")
         elif key == "items":
             if isinstance(value, list):
-                for i, item in enumerate(value):
+                first = len(schema.get("prefixItems", []))  # items covers those after the prefix
+                for i, item in enumerate(value[first:], start=first):
                     errors += validate(arg, item, root, f"{path}[{i}]")
+        elif key == "prefixItems":
+            if isinstance(value, list):
+                for i, (sub, item) in enumerate(zip(arg, value, strict=False)):
+                    errors += validate(sub, item, root, f"{path}[{i}]")
         elif key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
             if _TYPES["number"](value):
                 ok = {
@@ -182,6 +187,7 @@ def test_every_registered_message_travels_somewhere() -> None:
         {s.message.KIND for s in CATALOGUE}
         | {m.KIND for m in proto.REQUESTS.values()}
         | {m.KIND for m in proto.KV_RECORDS.values()}
+        | {m.KIND for m in proto.LOCAL_SOCKETS.values()}
     )
     orphans = set(registry()) - carried
     assert not orphans, f"registered kinds on no subject: {sorted(orphans)}"

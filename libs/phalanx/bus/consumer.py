@@ -30,6 +30,7 @@ from phalanx.telemetry import extract_context
 
 _tracer = trace.get_tracer("phalanx.bus")
 RawHandler = Callable[[Message, Msg], Awaitable[None]]
+BatchHandler = Callable[[list[tuple[Message, Msg]]], Awaitable[None]]
 
 
 def decode_on(raw: Msg, expected: tuple[type[Message], ...]) -> Message:
@@ -77,6 +78,7 @@ class Consumers:
         max_deliver: int = 5,
         batch: int = 64,
         pull_expires_s: float = 1.0,
+        batch_handler: BatchHandler | None = None,
     ) -> asyncio.Task[None]:
         """Run a durable pull consumer in the background until :meth:`close`.
 
@@ -85,6 +87,12 @@ class Consumers:
         the message redelivered (``nak`` with a delay) up to ``max_deliver`` times.
         Messages are pulled up to ``batch`` at a time; a pull waits on the server at
         most ``pull_expires_s`` for the first one (:meth:`close` waits that long at most).
+
+        ``batch_handler`` (instead of ``handler``, which is then not called) takes each
+        pull's valid messages at once, in order, and they are acknowledged together once
+        it returns (all redelivered if it raises): the planner commits a pull's inputs in
+        one transaction (18,000 registrations of a 16k-rank job are not 18,000 writes).
+        It opens each message's own span (:func:`process_span`) where it needs one.
         """
         config = ConsumerConfig(
             durable_name=durable,
@@ -96,7 +104,9 @@ class Consumers:
             max_ack_pending=10_000,
         )
         return self.bus.spawn(
-            self._consume_loop(stream, durable, config, handler, expected, batch, pull_expires_s),
+            self._consume_loop(
+                stream, durable, config, handler, expected, batch, pull_expires_s, batch_handler
+            ),
             name=f"consume:{durable}",
         )
 
@@ -135,6 +145,7 @@ class Consumers:
         expected: tuple[type[Message], ...],
         batch: int,
         pull_expires_s: float = 1.0,
+        batch_handler: BatchHandler | None = None,
     ) -> None:
         sub: Subscription | None = None  # on this loop's own inbox, where pulled messages arrive
         handled: dict[tuple[int, Any], None] = {}  # (stream seq, stored at) of handled messages
@@ -174,6 +185,9 @@ class Consumers:
                         # Bounded: a request that reached a server going down is never answered.
                         await asyncio.wait_for(ensure_topology(self.bus.js, create_only=True), 1.0)
                     await asyncio.sleep(0.2)
+                    continue
+                if batch_handler is not None:
+                    await self._deliver_batch(msgs, batch_handler, expected, handled)
                     continue
                 for raw in msgs:
                     await self._deliver(raw, handler, expected, handled)
@@ -227,6 +241,52 @@ class Consumers:
             elif status != "100":  # 100: an idle heartbeat
                 raise RuntimeError(f"pull from {next_subject}: status {status}")
         return msgs
+
+    async def _deliver_batch(
+        self,
+        msgs: list[Msg],
+        handler: BatchHandler,
+        expected: tuple[type[Message], ...],
+        handled: dict[tuple[int, Any], None] | None,
+    ) -> None:
+        items: list[tuple[Message, Msg]] = []
+        keys: list[tuple[int, Any] | None] = []
+        for raw in msgs:
+            key = None
+            if handled is not None:
+                with contextlib.suppress(Exception):
+                    md = raw.metadata
+                    key = (md.sequence.stream, md.timestamp)
+                    if md.num_delivered > 1 and key in handled:
+                        await raw.ack()  # handled already: its ack was lost
+                        continue
+            try:
+                items.append((decode_on(raw, expected), raw))
+                keys.append(key)
+            except DecodeError as err:
+                await self.bus.report_bad_input(raw.subject, err)
+                with contextlib.suppress(Exception):
+                    await raw.term()
+        if not items:
+            return
+        try:
+            await handler(items)
+        except Exception as exc:
+            self.bus.log.exception(
+                "handler_failed", subject=items[0][1].subject, count=len(items), error=repr(exc)
+            )
+            for _, raw in items:
+                with contextlib.suppress(Exception):
+                    await raw.nak(delay=0.5)
+            return
+        for (_, raw), key in zip(items, keys, strict=True):
+            if handled is not None and key is not None:
+                handled[key] = None
+            with contextlib.suppress(Exception):
+                await raw.ack()
+        if handled is not None:
+            while len(handled) > 100_000:
+                del handled[next(iter(handled))]
 
     async def _deliver(
         self,

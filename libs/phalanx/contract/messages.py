@@ -80,6 +80,12 @@ class Heartbeat(JobMessage):
         max_length=MAX_STEP_RECORDS,
         description="Steps completed since the last heartbeat that went out (the launcher persists them).",
     )
+    plan: int = Field(
+        default=0,
+        ge=0,
+        description="The newest plan generation this worker holds: its launcher acknowledges the node's"
+        " members to the planner from it, and sends the plan again to one that is behind.",
+    )
 
 
 class Registered(JobMessage):
@@ -462,6 +468,13 @@ class Plan(JobMessage):
     )
     store_addr: str = Field(
         default="", max_length=300, description="host:port of the store this generation meets on."
+    )
+    store_addrs: list[Annotated[str, Field(max_length=300)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Other launchers' stores (host:port) a large generation's bootstrap keys are spread"
+        " over by hash (phalanx.runtime.rendezvous); store_addr stays the root and holds the arrival"
+        " counter. Empty: every key on store_addr.",
     )
     launch: str = Field(default="", max_length=64, description="The job-level run this plan belongs to.")
     group_size: int = Field(

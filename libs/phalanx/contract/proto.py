@@ -43,14 +43,17 @@ from phalanx.contract import (
     JobState,
     Member,
     Message,
+    NodeAck,
     NodeDigest,
     NodeJoined,
     NodeLost,
+    NodePlan,
     Phase,
     Ping,
     Plan,
     PlanAck,
     PlanDecision,
+    PlanDelta,
     PreemptionNotice,
     Proposal,
     RankExited,
@@ -74,6 +77,7 @@ from phalanx.contract.subjects import (
     CHECKPOINT,
     COMM_ERROR,
     DECISION,
+    DELTA,
     ERROR,
     EXITED,
     FAILED,
@@ -82,6 +86,7 @@ from phalanx.contract.subjects import (
     HUNG,
     JOB_SPEC,
     JOINED,
+    NODE_ACK,
     NODE_DIGEST,
     NODE_LOST,
     PLAN,
@@ -129,15 +134,19 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     JOINED.pattern: (("elasticity-planner",), ("launcher", "failure-detector")),
     DECISION.pattern: (("elasticity-planner",), ("launcher", "policy", "operator")),
     ACK.pattern: (("rank",), ("elasticity-planner",)),
+    NODE_ACK.pattern: (("launcher",), ("elasticity-planner",)),
     RECOVERED.pattern: (("rank",), ("elasticity-planner", "state-replication", "policy", "operator")),
     STEPS.pattern: (("launcher",), ("operator",)),
     CHECKPOINT.pattern: (("state-replication",), ("policy", "operator")),
     JOB_SPEC.pattern: (("launcher",), ("elasticity-planner",)),
-    # Ranks and launchers also follow the plan in the job's KV record (phalanx_jobs/<job>.plan).
+    # A rank without a launcher also follows the plan in the job's KV record
+    # (phalanx_jobs/<job>.plan); a launcher reads that record only when a delta does not apply.
     PLAN.pattern: (
         ("elasticity-planner",),
-        ("rank", "launcher", "failure-detector", "state-replication", "policy"),
+        ("rank", "failure-detector", "state-replication", "policy"),
     ),
+    # Launchers follow the deltas and hand their ranks their node's part (NodePlan) locally.
+    DELTA.pattern: (("elasticity-planner",), ("launcher", "policy")),
     CAPACITY.pattern: (("scheduler-signal",), ("elasticity-planner", "policy", "operator")),
     PREEMPT.pattern: (("scheduler-signal",), ("elasticity-planner", "policy", "operator")),
     SPAWN.pattern: (("elasticity-planner",), ("launcher", "failure-detector")),
@@ -156,6 +165,9 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 # What the KV bucket's keys hold (no headers there: the reader knows the kind by the key).
 KV_RECORDS: dict[str, type[Message]] = {"<job>.plan": JobRecord}
+# What travels on a node only, over a unix datagram socket (no NATS): the launcher hands
+# each of its workers the node's part of the plan (phalanx.worker.plansocket).
+LOCAL_SOCKETS: dict[str, type[Message]] = {"$PHALANX_PLAN_SOCKET (launcher -> its worker)": NodePlan}
 # The local cluster's records (phalanx.cluster): plain JSON, not messages, under the cluster's name.
 CLUSTER_RECORDS: dict[str, type[ClusterState]] = {"<cluster>": ClusterState}
 
@@ -336,6 +348,36 @@ def examples() -> dict[str, Message]:
             generation=2,
         ),
         PlanAck(job="j1", ts=ts, generation=2, worker="w4", rank=2),
+        NodeAck(job="j1", ts=ts, node="node-b", generation=2, workers=["node-b-w0", "node-b-w1"]),
+        PlanDelta(
+            job="j1",
+            ts=ts,
+            generation=2,
+            token=4711,
+            launch="r-7c41e2a9b0d3",
+            reason="replace node-a-w2 with spare node-b-w4",
+            incident="j1-g1-node-a-w2-exit",
+            world_size=8,
+            store_prefix="phalanx/j1/g2",
+            store_addr="10.0.0.1:29400",
+            base=1,
+            moves=[(0, 2, 0), (3, 5, 3)],
+            joined=[("node-b-w", 4, 1, 2)],
+            removed=["node-a-w2"],
+        ),
+        NodePlan(
+            job="j1",
+            ts=ts,
+            generation=2,
+            token=4711,
+            launch="r-7c41e2a9b0d3",
+            reason="replace node-a-w2 with spare node-b-w4",
+            world_size=8,
+            store_prefix="phalanx/j1/g2",
+            store_addr="10.0.0.1:29400",
+            node="node-b",
+            ranks={"node-b-w0": 4, "node-b-w1": 5, "node-b-w4": 2},
+        ),
         RecoveryDone(
             job="j1",
             ts=ts,
@@ -583,6 +625,17 @@ def subjects_doc() -> dict[str, Any]:
                 "preemptions of reclaimed nodes. Written only by admin, by compare-and-set; "
                 "scheduler-signal watches it and publishes capacity_changed / preemption_notice.",
             },
+        ],
+        "local_sockets": [
+            {
+                "socket": where,
+                "kind": cls.KIND,
+                "schema": f"schemas/{cls.KIND}.json",
+                "description": "The node's part of each plan, one datagram per plan and worker, from the "
+                "launcher that started the worker (the worker checks the sender's pid with the kernel); "
+                "the worker acknowledges by heartbeat (Heartbeat.plan).",
+            }
+            for where, cls in LOCAL_SOCKETS.items()
         ],
         "subjects": subjects,
     }

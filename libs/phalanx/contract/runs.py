@@ -61,7 +61,8 @@ _NODE_RUN_SCHEMA = {
 }
 
 
-def _split(name: str) -> tuple[str, int]:
+def split_name(name: str) -> tuple[str, int]:
+    """``(prefix, number)`` of a name ending in a number, else ``(name, -1)``: ``n1-w3`` -> ``(n1-w, 3)``."""
     prefix = name.rstrip(_DIGITS)
     digits = name[len(prefix) :]
     if not digits or (len(digits) > 1 and digits[0] == "0") or not digits.isascii():
@@ -73,7 +74,7 @@ def to_runs(names: Iterable[str]) -> list[list[Any]]:
     """``names`` (order kept) as runs of consecutive numbers under one prefix."""
     runs: list[list[Any]] = []
     for name in names:
-        prefix, n = _split(name)
+        prefix, n = split_name(name)
         if n >= 0 and runs:
             last = runs[-1]
             if last[0] == prefix and last[1] >= 0 and last[1] + last[2] == n:
@@ -160,7 +161,7 @@ def node_runs(nodes: Mapping[str, str]) -> list[list[Any]]:
     """A worker -> node map as ``[node, prefix, first, count]`` runs (insertion order kept)."""
     runs: list[list[Any]] = []
     for worker, node in nodes.items():
-        prefix, n = _split(worker)
+        prefix, n = split_name(worker)
         if n >= 0 and runs:
             last = runs[-1]
             if last[0] == node and last[1] == prefix and last[2] >= 0 and last[2] + last[3] == n:

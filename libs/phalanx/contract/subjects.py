@@ -25,12 +25,14 @@ from phalanx.contract import (
     Heartbeat,
     JobSpec,
     Message,
+    NodeAck,
     NodeDigest,
     NodeJoined,
     NodeLost,
     Plan,
     PlanAck,
     PlanDecision,
+    PlanDelta,
     PreemptionNotice,
     Proposal,
     RankExited,
@@ -176,6 +178,18 @@ PLAN = Subject(
     Transport.JETSTREAM,
     "A committed plan: the membership of a new generation.",
 )
+DELTA = Subject(
+    "phalanx.cmd.{job}.delta",
+    PlanDelta,
+    Transport.JETSTREAM,
+    "A committed plan as a change of the one before: what launchers follow (one message whatever the job's size).",
+)
+NODE_ACK = Subject(
+    "phalanx.evt.{job}.node_ack.{node}",
+    NodeAck,
+    Transport.JETSTREAM,
+    "A node's launcher: these of its workers hold a generation (sent by that node's launcher only).",
+)
 SPAWN = Subject(
     "phalanx.cmd.{job}.spawn",
     SpawnWorkers,
@@ -220,11 +234,13 @@ CATALOGUE: tuple[Subject, ...] = (
     DECISION,
     JOINED,
     ACK,
+    NODE_ACK,
     RECOVERED,
     STEPS,
     CHECKPOINT,
     JOB_SPEC,
     PLAN,
+    DELTA,
     SPAWN,
     PROPOSAL,
     CAPACITY,

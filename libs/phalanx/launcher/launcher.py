@@ -48,24 +48,27 @@ from nats.aio.msg import Msg
 from phalanx.bus import Bus, nats_url
 from phalanx.contract import (
     Action,
+    Heartbeat,
     JobSpec,
+    NodeAck,
     NodeJoined,
-    Plan,
+    NodePlan,
     PlanDecision,
     RankExited,
     Role,
     SpawnWorkers,
 )
-from phalanx.contract.subjects import DECISION, EXITED, JOB_SPEC, JOINED, SPAWN
+from phalanx.contract.subjects import DECISION, EXITED, JOB_SPEC, JOINED, NODE_ACK, SPAWN
 from phalanx.launcher.children import Worker, start_worker, worker_env, worker_names
 from phalanx.launcher.config import LaunchConfig
+from phalanx.launcher.handout import Handout
+from phalanx.launcher.planview import NodePlanFollower
 from phalanx.launcher.store import StoreError, StoreProcess
 from phalanx.metrics import LauncherMetrics, MetricsServer, serve_metrics
 from phalanx.settings import LauncherSettings, load
 from phalanx.telemetry import get_logger
 from phalanx.worker.addr import listen_socket, local_address_towards
 from phalanx.worker.digest import NodeDigestPublisher
-from phalanx.worker.follow import PlanFollower
 
 __all__ = ["LaunchConfig", "LaunchError", "Launcher", "command_fingerprint", "run", "worker_names"]
 
@@ -92,7 +95,7 @@ class Launcher:
         self.node = config.node
         self.log = get_logger(component="launcher", job=config.job, node=config.node)
         self.workers: dict[str, Worker] = {}
-        self.plan: Plan | None = None
+        self.plan: NodePlan | None = None  # this node's part of the current generation
         self.decision: PlanDecision | None = None
         self.completed: PlanDecision | None = None
         """The planner's COMPLETE, once read: this node ends when none of its members runs."""
@@ -101,7 +104,8 @@ class Launcher:
         self.digests: NodeDigestPublisher | None = None
         self.bind = ""
         self.run = ""  # the job-level run id, from the planner's answer
-        self.follower: PlanFollower | None = None
+        self.follower: NodePlanFollower | None = None
+        self.handout: Handout | None = None
         self.removed_reason: str | None = None
         self._listener: socket.socket | None = None
         self._port = 0
@@ -143,16 +147,16 @@ class Launcher:
         await bus.subscribe(DECISION.format(job=self.job), self._on_decision, PlanDecision)
         await bus.subscribe(JOINED.format(job=self.job), self._on_joined, NodeJoined)
         await bus.subscribe(SPAWN.format(job=self.job), self._on_spawn, SpawnWorkers)
-        self.follower = PlanFollower(bus, self.job, self._apply_plan, poll_s=2.0)
-        self.follower.eager = True  # a launcher must never miss the plan that fences its node
-        await self.follower.start()
+        self.follower = NodePlanFollower(bus, self.job, self.node, self._worker_names, self._apply_plan)
+        await self.follower.start()  # deltas from now on; taken once the join names the run
         joined = await self._join()
         try:
             await self.store.ready(cfg.store_timeout_s)
         except StoreError as exc:
             raise LaunchError(str(exc)) from exc
         self.run = joined.run
-        await self.follower.read()  # a plan committed while we joined
+        self.handout = Handout(self.job, self.node, self._tmp, self._publish_ack)
+        await self.follower.follow(self.run)  # the record once: a plan committed while we joined
         roles = [
             Role.SPARE if joined.as_spares or i >= cfg.nproc else Role.RANK
             for i in range(len(joined.workers))
@@ -166,7 +170,7 @@ class Launcher:
             socket_path=self._tmp / "hb.sock",
             interval_s=load(LauncherSettings).heartbeat_interval_s,
         )
-        self.digests.on_heartbeat = self.metrics.heartbeat
+        self.digests.on_heartbeat = self._heard
         await self.digests.start()
         self.log.info("node_joined", run=self.run, workers=joined.workers, reason=joined.reason)
         for name, role in zip(joined.workers, roles, strict=True):
@@ -217,6 +221,18 @@ class Launcher:
         if msg.launcher == self.id and self._joined is not None and not self._joined.done():
             self._joined.set_result(msg)
 
+    def _worker_names(self) -> set[str]:
+        return set(self.workers)
+
+    def _heard(self, hb: Heartbeat) -> None:
+        self.metrics.heartbeat(hb)
+        if self.handout is not None:
+            self.handout.heard(hb)
+
+    async def _publish_ack(self, ack: NodeAck) -> None:
+        assert self.bus is not None
+        await self.bus.publish(NODE_ACK, ack, job=self.job, node=self.node)
+
     def _store_exited(self, why: str) -> None:
         """The store died under the job: its members cannot meet again here. The node
         ends, as a lost one (the plan then names a store on another node)."""
@@ -247,6 +263,8 @@ class Launcher:
         }
         if self.digests is not None:
             job_env["PHALANX_HEARTBEAT_SOCKET"] = str(self.digests.socket_path)
+        if self.handout is not None:
+            job_env["PHALANX_PLAN_SOCKET"] = self.handout.path_of(name)
         proc = start_worker(self.config, name, worker_env(self.config, name, role, slot, job_env, self.log))
         w = Worker(name, role, proc, slot)
         self.workers[name] = w
@@ -323,18 +341,22 @@ class Launcher:
                 )
                 self._done.set()
             return
-        members = [self.workers[m.worker] for m in self.plan.members if m.worker in self.workers]
+        members = [self.workers[w] for w in self.plan.ranks if w in self.workers]
         if members and all(w.returncode == 0 for w in members):
             self.log.info("job_completed", generation=self.plan.generation)
             self._done.set()
 
     # -- plans: fencing ------------------------------------------------------------
-    def _apply_plan(self, plan: Plan, by_message: bool = False) -> None:
+    def _apply_plan(self, plan: NodePlan, by_message: bool = False) -> None:
         if not self.run or plan.launch != self.run:
             return
+        if by_message and self.handout is not None and self.plan is not None:
+            self.handout.hand_out(plan, self._worker_names(), resend=True)  # acknowledge again
         if not plan.supersedes(self.plan):
             return  # the plan we have, or an older one (from a planner that has been replaced)
         self.plan = plan
+        if self.handout is not None:
+            self.handout.hand_out(plan, [w for w, x in self.workers.items() if x.proc.poll() is None])
         if self.id in plan.lost_launchers:
             # This node was declared lost (cut off): its workers may still be blocked
             # in a collective of an old generation. Nothing of it may go on.
@@ -354,13 +376,13 @@ class Launcher:
             self._loop.call_later(left, self._fence_late, leaving, plan)
         self._check_done()
 
-    def _fence_late(self, names: list[str], plan: Plan) -> None:
+    def _fence_late(self, names: list[str], plan: NodePlan) -> None:
         late = [w for w in names if self.workers[w].proc.poll() is None]
         if late:
             self.log.error("leave_deadline_passed", workers=late, generation=plan.generation)
             self._fence(late, plan)
 
-    def _fence(self, names: list[str], plan: Plan) -> None:
+    def _fence(self, names: list[str], plan: NodePlan) -> None:
         for name in names:
             w = self.workers[name]
             if w.proc.poll() is None:
@@ -383,11 +405,7 @@ class Launcher:
         plan = self.plan
         if plan is None:
             return []
-        return [
-            m.worker
-            for m in plan.members
-            if m.worker in self.workers and self.workers[m.worker].proc.poll() is None
-        ]
+        return [w for w in plan.ranks if w in self.workers and self.workers[w].proc.poll() is None]
 
     # -- end ---------------------------------------------------------------------------
     async def wait(self, timeout_s: float | None = None) -> int:
@@ -421,6 +439,8 @@ class Launcher:
             await self.digests.stop()
         if self.follower is not None:
             await self.follower.stop()
+        if self.handout is not None:
+            self.handout.close()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
             self._metrics_server = None

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.contract import Plan, Role
+from phalanx.contract import NodePlan, Role
 from phalanx.runtime.comm import Communicator
 from phalanx.runtime.faults import FaultPlan
 from phalanx.settings import RankSettings, load_or_exit
@@ -113,7 +113,7 @@ class Job:
         (:mod:`phalanx.runtime.tiered`). Call it before :meth:`steps`."""
         self.loop.checkpoint(every)
 
-    def on_resize(self, hook: Callable[[int, int, Plan], None]) -> None:
+    def on_resize(self, hook: Callable[[int, int, NodePlan], None]) -> None:
         """``hook(old_world, new_world, plan)`` after a resize (see :meth:`UserLoop.on_resize`)."""
         self.loop.on_resize(hook)
 

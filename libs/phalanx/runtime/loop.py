@@ -81,7 +81,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from phalanx.contract import Phase, Plan
+from phalanx.contract import NodePlan, Phase
 from phalanx.runtime.buckets import Layout, LayoutError, Remap, done, layout_of
 from phalanx.runtime.comm import CommError, Group
 from phalanx.runtime.mesh import Mesh
@@ -142,7 +142,7 @@ class UserLoop:
         self._held: tuple[tuple[int, int, int], Any] | None = None  # ((step, world, rank), batch)
         self._received = False
         self._world_seen = 0
-        self._on_resize: Callable[[int, int, Plan], None] | None = None
+        self._on_resize: Callable[[int, int, NodePlan], None] | None = None
         self._loss: float | torch.Tensor | None = None  # what report_loss() got in the step in flight
         self._every = 0  # job.checkpoint(every=N)
         self.checkpoints: ShardedCheckpoints | None = None
@@ -287,7 +287,7 @@ class UserLoop:
         then, after the optimizer step, so the call itself does not synchronize."""
         self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
 
-    def on_resize(self, hook: Callable[[int, int, Plan], None]) -> None:
+    def on_resize(self, hook: Callable[[int, int, NodePlan], None]) -> None:
         """Call ``hook(old_world, new_world, plan)`` when a new generation has another
         world size (``plan.batch`` says how the job's global batch splits at that size):
         where a user loop re-splits its batch or rescales its learning rate."""

@@ -50,7 +50,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from phalanx.checkpoint.packing import checksum, pack, tensor_bytes
-from phalanx.contract import CollectiveError, Phase, Plan, RecoveryDone, Role
+from phalanx.contract import CollectiveError, NodePlan, Phase, RecoveryDone, Role
 from phalanx.contract.subjects import COMM_ERROR, RECOVERED
 from phalanx.runtime.bounds import Bounds
 from phalanx.runtime.comm import CommError, Communicator, Superseded
@@ -239,7 +239,7 @@ class Session:
         self.generation = 0
         self.rank = -1
         self.world_size = 0
-        self.plan: Plan | None = None  # the plan of the generation being joined or run
+        self.plan: NodePlan | None = None  # the plan of the generation being joined or run
         self.recoveries = 0
         self.pending: Recovery | None = None  # reported once the first step after it commits
         self._seen = 0  # newest generation looked at (a spare skips plans that leave it out)
@@ -351,7 +351,7 @@ class Session:
             if release:
                 self.comm.release()
 
-    def _abort_on_newer_plan(self, plan: Plan) -> None:
+    def _abort_on_newer_plan(self, plan: NodePlan) -> None:
         """From the agent's thread: a newer plan ends the generation the communicator
         holds, so a collective blocked in it can only fail; NCCL is released now
         instead of at its timeout. gloo cannot abort an op in flight: its ranks see
@@ -410,7 +410,7 @@ class Session:
             )
             return
 
-    def _keep_position(self, rank: int, plan: Plan) -> None:
+    def _keep_position(self, rank: int, plan: NodePlan) -> None:
         """A sharded rank holds the shards of its position for life: a plan that
         moves it elsewhere cannot be followed."""
         if self.position is None:
@@ -424,7 +424,7 @@ class Session:
                 f" it holds the shards of position {self._held_position}"
             )
 
-    def _enter(self, plan: Plan, rank: int, rec: Recovery, restore: Restore) -> None:
+    def _enter(self, plan: NodePlan, rank: int, rec: Recovery, restore: Restore) -> None:
         """Become ``rank`` of ``plan``'s generation: its rendezvous (``comm_init``), the
         state transfer, the data restore. From the rendezvous on this rank reports the
         generation it joins, and each collective's bound, so a hang in any is seen."""

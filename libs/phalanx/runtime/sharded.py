@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from phalanx.contract import Phase, Plan, Role
+from phalanx.contract import NodePlan, Phase, Role
 from phalanx.runtime.comm import CommError
 from phalanx.runtime.mesh import Mesh, group_size_of
 from phalanx.runtime.session import Member, RecoveryError, Session
@@ -89,7 +89,7 @@ class StepGuard:
         self.mesh.fail()  # the rest of the step's collectives complete at once
 
 
-def first_plan(job: Member) -> Plan:
+def first_plan(job: Member) -> NodePlan:
     """The first plan that gives this worker a rank (a spare waits here, idle)."""
     seen = 0
     if job.role is Role.SPARE:

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.contract import BatchPlan, Phase, Plan, Role
+from phalanx.contract import BatchPlan, NodePlan, Phase, Role
 from phalanx.runtime.comm import CommError, Group
 from phalanx.runtime.session import Member, RecoveryError, Removed, Session
 from phalanx.telemetry import get_logger
@@ -101,7 +101,7 @@ class Trainer:
         rendezvous_timeout_s: float = 60.0,
         plan_timeout_s: float = 120.0,
         on_step: Callable[[int, float], None] | None = None,
-        on_resize: Callable[[int, int, Plan], None] | None = None,
+        on_resize: Callable[[int, int, NodePlan], None] | None = None,
         reuse_local_grads: bool = True,
         exact_reduce: bool = False,
         checkpoints: Checkpointer | None = None,

@@ -38,6 +38,11 @@ class RankSettings(NatsSettings, TelemetrySettings, HeartbeatSettings, NodeSetti
     heartbeat_socket: Path | None = Field(
         default=None, description="The launcher's unix socket for heartbeats (unset: heartbeats go to NATS)."
     )
+    plan_socket: Path | None = Field(
+        default=None,
+        description="This worker's unix socket on which its launcher hands it the node's plan"
+        " (unset: the worker follows the job's record and plan subject itself).",
+    )
 
     # --- collectives, state transfer, data, drains, checkpoints ------------------------------
     collective_timeout_s: float = Field(default=120.0, gt=0, description="Backstop of every collective.")

@@ -8,10 +8,17 @@ job's plans, acknowledges them at once, and publishes what the trainer reports.
 Plans are ordered by :meth:`Plan.supersedes <phalanx.contract.Plan.supersedes>` (the
 planner's fencing token, then the generation): :meth:`Agent.wait_plan` only returns a
 plan newer than the one the caller has, a stale or duplicated plan is dropped, and so
-is one from a planner replaced by a newer leader. Plans
-come from the job's KV record, watched, and from the plan subject
-(:class:`~phalanx.worker.follow.PlanFollower`), so a worker that started after
-the plan was committed, or was cut off while it was, still sees it.
+is one from a planner replaced by a newer leader.
+
+A worker started by a launcher gets its node's part of each plan
+(:class:`~phalanx.contract.NodePlan`) from the launcher over a local socket
+(:mod:`phalanx.worker.plansocket`) and acknowledges it by heartbeat
+(``Heartbeat.plan``): it never reads the job's record, so a 16,000-rank job costs
+NATS nothing per rank and plan. A worker without a launcher follows the job's KV
+record, watched, and the plan subject (:class:`~phalanx.worker.follow.PlanFollower`),
+takes its own part of each whole plan (:func:`~phalanx.contract.worker_plan`) and
+acknowledges on NATS; either way a worker that started after the plan was committed,
+or was cut off while it was, still gets it.
 """
 
 from __future__ import annotations
@@ -31,23 +38,26 @@ from opentelemetry import context as otel_context
 from phalanx.bus import Bus
 from phalanx.contract import (
     Message,
+    NodePlan,
     Plan,
     PlanAck,
     Registered,
     Role,
+    worker_plan,
 )
 from phalanx.contract.subjects import ACK, REGISTERED, Subject
 from phalanx.settings import RankSettings, load
 from phalanx.telemetry import extract_context, get_logger
 from phalanx.worker.follow import PlanFollower
 from phalanx.worker.heartbeat import HeartbeatPublisher
+from phalanx.worker.plansocket import PlanInbox
 from phalanx.worker.sever import sever
 from phalanx.worker.status import RankStatus
 
 
 @dataclass(frozen=True)
 class PlanEnvelope:
-    plan: Plan
+    plan: NodePlan
     received_at: float  # time.time() when the agent got it
     context: otel_context.Context  # the incident's trace, from the message headers
 
@@ -79,7 +89,8 @@ class Agent:
         self._hb: HeartbeatPublisher | None = None
         self._severed: set[str] = set()
         self._follower: PlanFollower | None = None
-        self._listeners: list[Callable[[Plan], None]] = []
+        self._inbox: PlanInbox | None = None
+        self._listeners: list[Callable[[NodePlan], None]] = []
         self._in_flight: set[concurrent.futures.Future[None]] = set()  # publish() calls not yet done
 
     # -- lifecycle ------------------------------------------------------------
@@ -90,10 +101,13 @@ class Agent:
 
     async def _start(self) -> None:
         self._bus = bus = await Bus.connect(self.url, name=f"rank-{self.status.worker}", ensure=False)
-        # The job's record in KV, watched (a plan committed before we started, or
-        # while we were cut off, is replayed), and the plan subject.
-        self._follower = PlanFollower(bus, self.status.job, self._offer)
-        await self._follower.start()
+        plan_socket = load(RankSettings).plan_socket
+        if plan_socket is not None:  # the launcher hands us our node's part
+            self._inbox = PlanInbox(str(plan_socket), lambda plan: self._offer(plan, False))
+            self._inbox.start()
+        else:  # the job's record in KV, watched (replayed after a cut), and the plan subject
+            self._follower = PlanFollower(bus, self.status.job, self._offer_whole)
+            await self._follower.start()
         await bus.publish(
             REGISTERED,
             Registered(
@@ -146,6 +160,8 @@ class Agent:
         async def _close() -> None:
             if self._hb_task:
                 self._hb_task.cancel()
+            if self._inbox is not None:
+                self._inbox.stop()
             if self._bus:
                 if self._follower is not None:
                     await self._follower.stop()
@@ -160,7 +176,10 @@ class Agent:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     # -- plans ----------------------------------------------------------------
-    def _offer(self, plan: Plan, by_message: bool) -> None:
+    def _offer_whole(self, plan: Plan, by_message: bool) -> None:
+        self._offer(worker_plan(plan, self.status.worker), by_message)
+
+    def _offer(self, plan: NodePlan, by_message: bool) -> None:
         if plan.job != self.status.job or plan.launch != self.launch:
             return  # another job, or a plan an earlier launch of this job left in KV
         received = time.time()
@@ -190,18 +209,23 @@ class Agent:
                 self.log.error("plan_listener_failed", error=repr(exc))
         self._ack(plan)
 
-    def on_plan(self, listener: Callable[[Plan], None]) -> None:
+    def on_plan(self, listener: Callable[[NodePlan], None]) -> None:
         """Call ``listener(plan)`` on the agent's thread for every newer plan, before
         it is acknowledged; it must not block (start a thread for slow work)."""
         self._listeners.append(listener)
 
-    def _ack(self, plan: Plan) -> None:
+    def _ack(self, plan: NodePlan) -> None:
+        self.status.plan = max(self.status.plan, plan.generation)
+        if self._inbox is not None:  # a heartbeat now tells the launcher, which tells the planner
+            if self._hb is not None:
+                asyncio.get_running_loop().create_task(self._hb.send_extra())
+            return
         rank = plan.rank_of(self.status.worker)
         if rank is not None and self._bus is not None:
             ack = PlanAck(job=plan.job, generation=plan.generation, worker=self.status.worker, rank=rank)
             asyncio.get_running_loop().create_task(self._publish_quietly(ACK, ack, plan.job, ack.worker))
 
-    def _cut_lost_hosts(self, plan: Plan) -> None:
+    def _cut_lost_hosts(self, plan: NodePlan) -> None:
         """Release a collective blocked on a node that was cut off (see :mod:`.sever`)."""
         hosts = set(plan.lost_hosts) - self._severed - {load(RankSettings).bind or ""}
         if hosts:

@@ -27,6 +27,8 @@ class RankStatus:
     """The per-op timeout of the current (or last) gradient all-reduce: the detector
     takes a rank in COLLECTIVE for longer, while a peer has left, for hung."""
     loss: float | None = None
+    plan: int = 0
+    """The newest plan generation the agent holds (its launcher acknowledges from it)."""
     phase: Phase = Phase.STARTING
     phase_since: float = field(default_factory=time.monotonic)
     pid: int = field(default_factory=os.getpid)
@@ -90,4 +92,5 @@ class RankStatus:
             collective_bound_ms=self.collective_bound_ms,
             loss=self.loss,
             finished=finished or [],
+            plan=self.plan,
         )
