@@ -21,6 +21,20 @@ c. ``nccl_recovery``: with >= 3 GPUs (2 ranks + 1 spare), the user-loop example
    ``RecoveryDone`` events), the recovery phases, and whether the final weights
    are bitwise equal (``NCCL_ALGO=Ring``; the ``env`` it ran with is reported).
 
+d. ``nccl_shrink``: with >= 2 GPUs (one rank per GPU, up to 8; NCCL refuses two
+   ranks on one GPU), the last rank is lost with no spare, and the survivors'
+   next generation is built both ways through the real
+   :class:`~phalanx.runtime.comm.Communicator`: a full NCCL init (mode ``off``)
+   and ``ncclCommShrink`` of the previous communicator (mode ``require``, so a
+   shrink that does not happen fails the part instead of timing the full init),
+   alternately, ``--repeats`` times each. Per path: ``configure`` seconds (release,
+   rendezvous, gloo, NCCL) and the NCCL part alone (ms), median and max over
+   ranks and repeats; then an NCCL all-reduce and an NCCL send/recv between the
+   new ranks 0 and 1 checked on the new communicator (the send/recv shows whether
+   point-to-point works on a shrunk communicator, which torch's sources leave
+   unclear). Needs torch with NCCL >= 2.27; an older one fails the ``require``
+   path with the reason. Never run on the machine it was written on (no GPU).
+
 ``--cpu-dry-run`` runs the same orchestration on the CPU with gloo (2 processes,
 small sizes, GPUs hidden from the jobs) so that the plumbing can be exercised on
 any machine; its numbers say nothing about GPUs.
@@ -48,7 +62,9 @@ import torch.distributed as dist
 
 from bench.detect import pct
 from phalanx.checkpoint.packing import CRC32, WSUM31, checksum, pack, unpack
-from phalanx.runtime.comm import Group, arrival_barrier, backend_for, connect_store
+from phalanx.contract import Member, Plan
+from phalanx.runtime.comm import Communicator, Group, arrival_barrier, backend_for, connect_store
+from phalanx.runtime.nccl_shrink import ShrinkMode
 from phalanx.runtime.state import recv_state, send_state
 from phalanx.runtime.store import host_store
 
@@ -474,6 +490,147 @@ def nccl_recovery(out: Path, dry_run: bool, steps: int, fault_step: int) -> dict
     }
 
 
+# -- d: shrinking the NCCL communicator after a rank is lost ------------------------------------
+
+
+def _shrink_plan(addr: str, run: str, generation: int, world: int, shrunk: list[int]) -> Plan:
+    """Generation ``generation`` of workers w0..w{world-1}; ``shrunk``: the previous
+    generation's ranks left out (the planner's ``Plan.shrunk``), an unplanned loss."""
+    return Plan(
+        job="gpucheck",
+        generation=generation,
+        members=[Member(worker=f"w{r}", rank=r) for r in range(world)],
+        reason="gpu_check shrink",
+        store_prefix=f"gpu-check-shrink/{run}/gen{generation}",
+        store_addr=addr,
+        shrunk=shrunk,
+    )
+
+
+def _shrink_rank(rank: int, n: int, port: int, run: str, device_type: str, repeats: int, q: Any) -> None:
+    """One of the ``n`` ranks of :func:`shrink_paths` (a spawned process): per
+    repeat and path, a generation of all ``n``, then one without the last rank."""
+    out: dict[str, Any] = {"rank": rank, "paths": {}}
+    try:
+        if device_type == "cuda":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        addr = f"127.0.0.1:{port}"
+        comm = Communicator(f"w{rank}", addr, bind="127.0.0.1", device=device, nccl_shrink=ShrinkMode.AUTO)
+        lost, generation = n - 1, 0
+
+        def configure(plan: Plan) -> None:
+            comm.configure(plan, cancelled=lambda: False, arrival_s=120.0, connect_s=120.0)
+
+        for _ in range(repeats):
+            for path, mode in (("full_init", ShrinkMode.OFF), ("shrink", ShrinkMode.REQUIRE)):
+                rec = out["paths"].setdefault(path, {"configure_s": [], "nccl_ms": [], "how": []})
+                generation += 1
+                comm.nccl_shrink = ShrinkMode.AUTO  # the generation before the loss parks its NCCL comm
+                configure(_shrink_plan(addr, run, generation, n, []))
+                t = torch.ones(4, device=device)
+                comm.allreduce_sum_(t, 60.0)
+                if int(t[0]) != n:
+                    raise RuntimeError(f"all-reduce of {n} ranks gave {t.tolist()}")
+                generation += 1
+                if rank == lost:  # lost, no spare: its NCCL communicator goes (aborted, as by death)
+                    comm.nccl_shrink = ShrinkMode.OFF
+                    comm.release()
+                    continue
+                comm.nccl_shrink = mode  # read by release() (park or abort) and by the shrink vote
+                t0 = time.perf_counter()
+                configure(_shrink_plan(addr, run, generation, n - 1, [lost]))
+                sync(device)
+                rec["configure_s"].append(time.perf_counter() - t0)
+                built = comm.held().nccl_built
+                rec["how"].append(built.get("how", "gloo only"))
+                if "ms" in built:
+                    rec["nccl_ms"].append(built["ms"])
+                t = torch.ones(4, device=device)
+                comm.allreduce_sum_(t, 60.0)
+                rec["allreduce_ok"] = rec.get("allreduce_ok", True) and int(t[0]) == n - 1
+                if n - 1 >= 2 and comm.rank in (0, 1):  # point to point on the new communicator
+                    buf = torch.full((1024,), float(generation), device=device)
+                    if comm.rank == 0:
+                        comm.send(buf, 1, timeout_s=60.0)
+                    else:
+                        got = torch.zeros_like(buf)
+                        comm.recv(got, 0, timeout_s=60.0)
+                        rec["send_recv_ok"] = rec.get("send_recv_ok", True) and bool(torch.equal(got, buf))
+                comm.barrier(60.0)
+        comm.nccl_shrink = ShrinkMode.OFF
+        comm.release()
+    except BaseException as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        out["traceback"] = traceback.format_exc()[-3000:]
+    q.put(out)
+
+
+def shrink_paths(dry_run: bool, repeats: int, timeout_s: float = 420.0) -> dict[str, Any]:
+    """Full NCCL re-init against ncclCommShrink after the last rank is lost with no
+    spare, one process per GPU; on a CPU dry run the same orchestration over gloo
+    (3 processes), where both paths are the same gloo build."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not dry_run and gpus < 2:
+        return {
+            "skipped": f"needs >= 2 GPUs (one rank per GPU: NCCL refuses two ranks on one GPU), found {gpus}"
+        }
+    n = 3 if dry_run else min(gpus, 8)
+    device_type = "cpu" if dry_run else "cuda"
+    store = host_store("127.0.0.1")
+    run = f"{os.getpid()}-{time.time_ns()}"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    env_shrink = os.environ.pop("PHALANX_NCCL_SHRINK", None)  # the ranks set the mode themselves
+    log(f"nccl shrink: {n} ranks on {device_type}, the last one lost, {repeats} repeat(s) per path")
+    procs = [
+        ctx.Process(target=_shrink_rank, args=(r, n, store.port, run, device_type, repeats, q))
+        for r in range(n)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"shrink ranks still running after {timeout_s}s")
+            r = q.get(timeout=left)
+            results[r["rank"]] = r
+    finally:
+        if env_shrink is not None:
+            os.environ["PHALANX_NCCL_SHRINK"] = env_shrink
+        for p in procs:
+            p.join(10.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = {r: res["error"] for r, res in results.items() if "error" in res}
+    if errors:
+        tb = next(res.get("traceback", "") for res in results.values() if "error" in res)
+        raise RuntimeError(f"shrink ranks failed: {errors}\n{tb}")
+    survivors = [results[r] for r in range(n - 1)]
+    out: dict[str, Any] = {"ranks": n, "lost": [n - 1], "backend": backend_for(torch.device(device_type))}
+    for path in ("full_init", "shrink"):
+        recs = [s["paths"][path] for s in survivors]
+        conf = [x for rec in recs for x in rec["configure_s"]]
+        nccl = [x for rec in recs for x in rec["nccl_ms"]]
+        out[path] = {
+            "configure_s_median": round(float(pct(conf, 50) or 0.0), 4) if conf else None,
+            "configure_s_max": round(max(conf), 4) if conf else None,
+            "nccl_ms_median": round(float(pct(nccl, 50) or 0.0), 2) if nccl else None,
+            "nccl_ms_max": round(max(nccl), 2) if nccl else None,
+            "how": sorted({h for rec in recs for h in rec["how"]}),
+            "allreduce_ok": all(rec.get("allreduce_ok", False) for rec in recs),
+            "send_recv_ok": all(rec.get("send_recv_ok", True) for rec in recs) if n - 1 >= 2 else None,
+            "repeats": repeats,
+        }
+    return out
+
+
 # -- main ----------------------------------------------------------------------------------------
 
 
@@ -485,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=None, help="recovery: steps (default 40; dry run 12)")
     ap.add_argument("--fault-step", type=int, default=None, help="recovery: kill w1 in this step")
-    ap.add_argument("--skip", action="append", default=[], choices=["transfer", "recovery"])
+    ap.add_argument("--skip", action="append", default=[], choices=["transfer", "recovery", "shrink"])
     args = ap.parse_args(argv)
     dry = args.cpu_dry_run
     nbytes = (args.mib if args.mib is not None else (16 if dry else 1024)) * MIB
@@ -501,8 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     parts: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("state_transfer", lambda: state_transfer(dry, nbytes, args.repeats)),
         ("nccl_recovery", lambda: nccl_recovery(out, dry, steps, fault_step)),
+        ("nccl_shrink", lambda: shrink_paths(dry, args.repeats)),
     ]
-    for (name, fn), skip in zip(parts, ("transfer", "recovery"), strict=True):
+    for (name, fn), skip in zip(parts, ("transfer", "recovery", "shrink"), strict=True):
         if skip in args.skip:
             result[name] = {"skipped": f"--skip {skip}"}
             continue

@@ -24,13 +24,13 @@ whoever reaches its port may connect. What keeps a non-member out of a
 generation is :func:`generation_store`: every key of the generation (arrivals,
 gloo's and NCCL's bootstrap addresses and ids) lives under the plan's
 ``store_secret``, which only the job's users and the services can read (the
-job's KV record and plan subject, :mod:`phalanx.natsauth`), and the protocol
-has no operation that lists keys, so a client with the address and the
-``store_prefix`` but not the secret can neither see those keys nor plant one
-the members would read (a forged arrival, a forged peer address). It does not
-protect the store process: anyone who reaches the port can still fill it with
-keys of their own or flood it with connections (that is out of scope here:
-keep the port to the cluster network). The secret stays out of logs and error
+job's KV record and plan subject, :mod:`phalanx.natsauth`), so a client that
+guesses key names with the address and the ``store_prefix`` finds nothing. That
+is all it does: torch 2.13's ``TCPStore`` answers ``list_keys()`` (checked: a
+client with only host:port lists ``<secret>/j/gen1/arrived/0``), so anyone who
+reaches the port can learn the secret and then read or plant a generation's keys
+(a forged arrival, a forged peer address), as well as fill the store or flood it
+with connections. Keep the store port on the job's own network. The secret stays out of logs and error
 messages: those name ``store_prefix``, and a key torch names in an error is
 shown from its prefix on (``<secret>/j1/gen2/pg/0``).
 
@@ -55,6 +55,12 @@ Teardown, NCCL: :meth:`Group.abort` calls the backend's abort
 (``ncclCommAbort``), from any thread; a collective blocked in another thread
 then returns and fails with :class:`CommError`. :meth:`Group.destroy`
 aborts first, never a graceful shutdown that would wait for work in flight.
+One exception: :meth:`Communicator.release` parks an intact (never aborted)
+NCCL communicator instead, and the next :meth:`Communicator.configure` shrinks
+it (``ncclCommShrink``) when the plan's ``shrunk`` says the new generation is
+the old one minus some ranks, or aborts it before a full init
+(:mod:`phalanx.runtime.nccl_shrink`: when that works, the votes that keep the
+members on one path, ``PHALANX_NCCL_SHRINK``).
 
 NCCL errors must surface in the calling thread, where the runtime recovers,
 not kill the process. So before the first NCCL group is built, unless the
@@ -80,15 +86,18 @@ hangs (an ``ncclCommAbort`` that never returns) it kills the process after
 
 A rendezvous must be abandonable: before the group is built, every member
 announces itself under the prefix and waits for the others with
-:meth:`arrival_barrier`, which polls and gives up when ``cancelled()`` says a
-newer plan has superseded this one. The group is then connected under its own
-bound (``connect_timeout_s``: every member has arrived, so only a member hung in
-between keeps the others waiting). (NCCL's own communicator init is blocking: a
+:func:`arrival_barrier`, which gives up when ``cancelled()`` says a newer plan
+has superseded this one. The group is then connected under its own bound
+(``connect_timeout_s``: every member has arrived, so only a member hung in
+between keeps the others waiting). How members meet at scale -- an arrival of
+O(1) requests per member, gloo's pairs connected on first use in large groups,
+keys spread over several launchers' stores -- is :mod:`phalanx.runtime.rendezvous`. (NCCL's own communicator init is blocking: a
 member that dies inside it leaves the others waiting for the NCCL bootstrap.)
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -102,7 +111,25 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 
-from phalanx.contract import Plan
+from phalanx.contract import NodePlan, Plan
+from phalanx.runtime.nccl_shrink import (
+    Parked,
+    ShrinkMode,
+    ShrinkRequest,
+    flags_for,
+    resolve_mode,
+    shrink_backend,
+    vote,
+)
+from phalanx.runtime.rendezvous import (
+    Cancelled,
+    RendezvousError,
+    SpreadStore,
+    Waiters,
+    arrival_barrier_any,
+    gloo_backend,
+    plan_stores,
+)
 from phalanx.telemetry import get_logger
 from phalanx.worker.addr import split_addr
 
@@ -155,25 +182,24 @@ def arrival_barrier(
     world_size: int,
     cancelled: Callable[[], bool],
     timeout_s: float,
-    poll_s: float = 0.0005,
+    waiter: Callable[[], tuple[dist.Store, Callable[[], None]]] | None = None,
 ) -> None:
-    """Announce ``rank`` under ``prefix`` and wait until all ``world_size`` have.
+    """Announce ``rank`` under ``prefix`` and wait until all ``world_size`` have
+    (:mod:`phalanx.runtime.rendezvous`: polled below ``COUNTED_FROM`` members, counted
+    with a server-side wait from there).
 
     Raises :class:`Superseded` when ``cancelled()`` turns true and
-    :class:`CommError` after ``timeout_s``, or when the store fails (its host is
-    gone: the plan that named it is abandoned for a newer one).
+    :class:`CommError` after ``timeout_s`` (naming the missing members' keys), or when
+    the store fails (its host is gone: the plan that named it is abandoned for a newer one).
+    ``waiter()``: a second client under the same prefix for the counted wait, and how to
+    give it back (default: a clone per call).
     """
-    keys = [f"{prefix}/arrived/{r}" for r in range(world_size)]
-    deadline = time.monotonic() + timeout_s
     try:
-        store.set(keys[rank], str(time.time()))
-        while not store.check(keys):
-            if cancelled():
-                raise Superseded(prefix)
-            if time.monotonic() > deadline:
-                missing = [k for k in keys if not store.check([k])]
-                raise CommError(f"rendezvous {prefix}: timed out waiting for {missing}")
-            time.sleep(poll_s)
+        arrival_barrier_any(store, prefix, rank, world_size, cancelled, timeout_s, waiter)
+    except Cancelled:
+        raise Superseded(prefix) from None
+    except RendezvousError as exc:
+        raise CommError(str(exc)) from None
     except dist.DistError as exc:  # DistNetworkError, DistStoreError: the store is unreachable
         raise CommError(f"rendezvous {prefix}: the store failed: {_scrubbed(exc, prefix)}") from None
 
@@ -237,6 +263,7 @@ class Group:
         bind: str | None = None,
         device: torch.device | None = None,
         connect_timeout_s: float | None = None,
+        shrink: ShrinkRequest | None = None,
     ) -> None:
         """``timeout_s``: the bound of an op that is given none (the backstop);
         ``connect_timeout_s`` (default ``timeout_s``): how long connecting to the
@@ -249,7 +276,13 @@ class Group:
         ``device`` (default cpu): where the training tensors live. A cuda device adds
         an NCCL communicator on that GPU (its index, or the current device) for CUDA
         tensors; the caller picks the GPU (``torch.cuda.set_device``). A device with
-        no backend here is a :class:`ValueError` before anything is built."""
+        no backend here is a :class:`ValueError` before anything is built.
+
+        ``shrink``: the previous generation's parked NCCL backend and the plan's
+        ``shrunk`` (:mod:`phalanx.runtime.nccl_shrink`); this group owns it from
+        here and shrinks or aborts it. Every member of a generation passes one or
+        none alike (the members vote over gloo). ``nccl_built`` says which way the
+        NCCL backend came about."""
         self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
@@ -260,36 +293,96 @@ class Group:
             self.device = _cuda_device(self.device)
         self._lock = threading.Lock()
         self._aborted = False
+        self.nccl_built: dict[str, Any] = {}
+        if shrink is not None and not use_nccl:
+            shrink.release()
+            shrink = None
         pstore = dist.PrefixStore(f"{prefix}/pg", store)
         connect = self.timeout if connect_timeout_s is None else timedelta(seconds=connect_timeout_s)
-        try:
-            if bind:
-                opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-                opts._timeout = connect
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
-                backend = dist.ProcessGroupGloo(pstore, rank, world_size, opts)
-            else:
-                backend = dist.ProcessGroupGloo(pstore, rank, world_size, connect)
+        try:  # eager full mesh for small groups, pairs on first use for large ones
+            backend = gloo_backend(pstore, rank, world_size, connect, bind)
         except Exception as exc:  # DistStoreError, gloo connect errors
+            if shrink is not None:
+                shrink.release()
             raise CommError(f"building process group {prefix}: {_scrubbed(exc, prefix)}") from None
         pg = dist.ProcessGroup(pstore, rank, world_size)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
         pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)  # barriers and the like: gloo
         nccl: C10dBackend | None = None
         if use_nccl:
+            t0 = time.monotonic()
             try:
                 pg.bound_device_id = self.device  # handed to the NCCL backend as it is registered
-                nccl = _nccl_backend(store, prefix, rank, world_size, self.timeout)
-                pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
-                nccl.eager_connect_single_device(self.device)  # ncclCommInitRank now, not in step 1
+                if shrink is not None:  # ncclCommShrink of the previous generation's, when all agree
+                    nccl = self._shrunk(shrink, pg, rank, connect)
+                if nccl is not None:
+                    pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+                else:
+                    nccl = _nccl_backend(store, prefix, rank, world_size, self.timeout)
+                    pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+                    nccl.eager_connect_single_device(self.device)  # ncclCommInitRank now, not in step 1
+                    self.nccl_built.setdefault("how", "init")
             except Exception as exc:
                 if nccl is not None:
                     _abort_quietly(nccl, prefix)
                 error = _scrubbed(exc, prefix)
                 raise CommError(f"building the NCCL group {prefix} on {self.device}: {error}") from None
+            finally:
+                if shrink is not None:
+                    shrink.release()  # the parent: shrunk from, or unusable; aborted either way
+            self.nccl_built["ms"] = round((time.monotonic() - t0) * 1000.0, 2)
+            _log.info("comm_nccl_built", prefix=prefix, **self.nccl_built)
         self._backend: dist.ProcessGroupGloo | None = backend
         self._nccl: C10dBackend | None = nccl
         self._pg: dist.ProcessGroup | None = pg
+
+    def _shrunk(
+        self, req: ShrinkRequest, pg: dist.ProcessGroup, rank: int, connect: timedelta
+    ) -> C10dBackend | None:
+        """The NCCL backend shrunk from ``req``'s parent, or None: build it in full.
+
+        Two gloo votes keep the members on one path (:mod:`.nccl_shrink`): before,
+        whether every member can shrink (and whether one requires it); after,
+        whether every member's shrink returned the rank the plan gives it. The
+        parent is aborted before a full init (its GPU memory is free again).
+        Raises :class:`CommError` when a member requires a shrink that does not
+        happen (every member does: the vote tells them all)."""
+        why = req.why_not(rank, self.world_size)
+        able, required = vote(pg, why is None, req.mode is ShrinkMode.REQUIRE, connect)
+        if able and req.parked is not None:  # every member can; ours is there (why_not said so)
+            flags = flags_for(req.planned)
+            child: C10dBackend | None = None
+            try:
+                child = shrink_backend(req.parked, req.shrunk, flags, self.prefix, self.timeout)
+                if child.rank() != rank or child.size() != self.world_size:
+                    why = f"the shrunk communicator is rank {child.rank()} of {child.size()}"
+            except Exception as exc:
+                why = f"ncclCommShrink failed: {_scrubbed(exc, self.prefix)}"
+            req.release()  # the parent is spent either way
+            all_done, _ = vote(pg, why is None, False, connect)
+            if all_done and child is not None:
+                self.nccl_built = {"how": "shrink", "flags": flags, "left_out": list(req.shrunk)}
+                return child
+            if child is not None:
+                _abort_quietly(child, self.prefix)
+            why = why or "another member's shrink failed"
+        req.release()
+        self.nccl_built = {"how": "init", "why_not_shrunk": why or "another member cannot shrink"}
+        if required:
+            raise CommError(f"a shrink was required and did not happen: {self.nccl_built['why_not_shrunk']}")
+        return None
+
+    def detach_nccl(self, generation: int) -> Parked | None:
+        """Take this group's NCCL backend out, intact, for the next generation to
+        shrink (:class:`~.nccl_shrink.Parked`); None when there is none or it was
+        aborted (:meth:`destroy` then aborts it as before). Under the lock
+        :meth:`abort` takes: a concurrent abort either finds it gone or wins."""
+        with self._lock:
+            nccl = self._nccl
+            if nccl is None or self._aborted:
+                return None
+            self._nccl = None
+        return Parked(nccl, generation, self.rank, self.world_size, self.prefix)
 
     @property
     def pg(self) -> dist.ProcessGroup:
@@ -419,21 +512,31 @@ class Communicator:
         device: torch.device | None = None,
         store_connect_s: float = 5.0,
         backstop_s: float = DEFAULT_TIMEOUT_S,
+        nccl_shrink: ShrinkMode | str | None = None,
     ) -> None:
         """``store_addr``: this node's launcher's store (a plan naming no store means
         it); ``bind``: the address gloo listens on; ``device``: where the training
         tensors live (:meth:`configure` may change it); ``backstop_s``: the bound of
-        an op whose caller gives none."""
+        an op whose caller gives none.
+
+        ``nccl_shrink`` (default: ``PHALANX_NCCL_SHRINK``, else ``auto``): whether a
+        generation that only loses ranks shrinks the previous NCCL communicator
+        instead of building one (:mod:`phalanx.runtime.nccl_shrink`; ``off`` and
+        ``require`` force either path). Without CUDA it changes nothing."""
         self.worker = worker
         self.store_addr = store_addr
         self.bind = bind
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.store_connect_s = store_connect_s
         self.backstop_s = backstop_s
+        self.nccl_shrink = resolve_mode(nccl_shrink)
+        self._parked: Parked | None = None  # the last generation's NCCL backend, kept to shrink
         self.generation = 0  # of the group held, or last held (0: none yet)
         self.rank = -1
         self.world_size = 0
         self._stores: dict[str, dist.Store] = {}
+        self._waiters: dict[str, Waiters] = {}  # second clients for the arrival's wait, by address
+        self._spread: SpreadStore | None = None  # the generation's keys over several stores, if so
         self._lock = threading.Lock()  # the group, as another thread (an abort) sees it
         self._group: Group | None = None
         # A device mesh's shape (set_mesh): each generation also gets, per dimension,
@@ -443,21 +546,36 @@ class Communicator:
         self._listeners: list[Callable[[Communicator], None]] = []
 
     # -- stores --------------------------------------------------------------------------
-    def store_at(self, addr: str = "") -> dist.Store:
+    def store_at(self, addr: str = "", *, spare: bool = False) -> dist.Store:
         """The store at ``addr`` (``""``: this node's launcher's), connected once and kept
-        for later generations.
+        for later generations. ``spare``: also connect now the second client a large
+        generation's arrival waits on (:class:`~phalanx.runtime.rendezvous.Waiters`;
+        otherwise connected by the first such arrival).
 
         Raises :class:`CommError` when it cannot be reached within ``store_connect_s``:
         the plan that named it is then abandoned for a newer one.
         """
         addr = addr or self.store_addr
         store = self._stores.get(addr)
-        if store is None:
-            try:
+        try:
+            if store is None:
                 store = self._stores[addr] = connect_store(addr, self.store_connect_s)
-            except Exception as exc:  # a malformed address, DistNetworkError, a timeout
-                raise CommError(f"store {addr} unreachable: {exc}") from exc
+            if spare and addr not in self._waiters:
+                waiters = self._waiters[addr] = Waiters(lambda: connect_store(addr, self.store_connect_s))
+                waiters.give(waiters.take())
+        except Exception as exc:  # a malformed address, DistNetworkError, a timeout
+            raise CommError(f"store {addr} unreachable: {exc}") from exc
         return store
+
+    def _waiter(self, addr: str, secret: str, timeout_s: float) -> tuple[dist.Store, Callable[[], None]]:
+        """A spare client of the store at ``addr`` for the arrival's wait, under the
+        generation's secret, and how to give it back (:class:`Waiters`)."""
+        if addr not in self._waiters:
+            self._waiters[addr] = Waiters(lambda: connect_store(addr, self.store_connect_s))
+        waiters = self._waiters[addr]
+        client = waiters.take()
+        client.set_timeout(timedelta(seconds=timeout_s))
+        return generation_store(client, secret), functools.partial(waiters.give, client)
 
     # -- a device mesh over the generation ---------------------------------------------------
     def set_mesh(self, shape: tuple[int, ...]) -> None:
@@ -531,7 +649,7 @@ class Communicator:
     # -- generations -----------------------------------------------------------------------
     def configure(
         self,
-        plan: Plan,
+        plan: NodePlan | Plan,
         *,
         cancelled: Callable[[], bool],
         arrival_s: float,
@@ -555,19 +673,39 @@ class Communicator:
         client = self.store_at(plan.store_addr)
         client.set_timeout(timedelta(seconds=connect_s))  # per store op: a live store answers at once
         store = generation_store(client, plan.store_secret)
-        arrival_barrier(store, plan.store_prefix, rank, plan.world_size, cancelled, arrival_s)
-        if connecting is not None:
-            connecting()
-        group = Group(
+        arrival_barrier(
             store,
             plan.store_prefix,
             rank,
             plan.world_size,
-            self.backstop_s,
-            bind=self.bind,
-            device=self.device,
-            connect_timeout_s=connect_s,
+            cancelled,
+            arrival_s,
+            functools.partial(self._waiter, plan.store_addr or self.store_addr, plan.store_secret, connect_s),
         )
+        spread = plan_stores(plan)
+        if len(spread) > 1:  # gloo's and NCCL's keys over several launchers' stores, by hash
+            # held for the generation's life: a Python store passed to torch keeps only its
+            # C++ half alive, and lazy gloo pairs ask it for keys long after this call
+            self._spread = SpreadStore(spread, self.store_at, timedelta(seconds=connect_s))
+            store = generation_store(self._spread, plan.store_secret)
+        if connecting is not None:
+            connecting()
+        shrink = self._shrink_request(plan)
+        try:
+            group = Group(
+                store,
+                plan.store_prefix,
+                rank,
+                plan.world_size,
+                self.backstop_s,
+                bind=self.bind,
+                device=self.device,
+                connect_timeout_s=connect_s,
+                shrink=shrink,
+            )
+        finally:
+            if shrink is not None:
+                shrink.release()  # idempotent: Group released it already, unless it raised first
         lines: list[Group] = []
         if self.mesh_shape:
             try:
@@ -597,13 +735,37 @@ class Communicator:
         group = self._group
         return group is not None and group.abortable
 
+    def _shrink_request(self, plan: NodePlan | Plan) -> ShrinkRequest | None:
+        """What the group of ``plan`` needs to try an NCCL shrink (it takes the parked
+        backend over), or None, the parked backend then aborted here. A plan-wide
+        choice (``plan.shrunk``, NCCL in use), so every member votes or none does."""
+        with self._lock:
+            parked, self._parked = self._parked, None
+        if plan.shrunk and self.device.type == "cuda":
+            return ShrinkRequest(parked, list(plan.shrunk), plan.planned, self.nccl_shrink, plan.generation)
+        if parked is not None:
+            parked.abort()
+        return None
+
     def release(self) -> None:
         """Drop the group held at once (:meth:`Group.destroy`): peers blocked on this
-        rank fail fast. Idempotent."""
+        rank fail fast. Idempotent.
+
+        With NCCL and shrinking not ``off``, an intact (never aborted) NCCL
+        communicator of the group is not aborted here but parked for the next
+        :meth:`configure`, which shrinks it into the next generation or aborts it
+        (:mod:`phalanx.runtime.nccl_shrink`)."""
         t0 = time.monotonic()
         with self._lock:
             group, self._group = self._group, None
             lines, self._lines = self._lines, []
+        if group is not None and self.nccl_shrink is not ShrinkMode.OFF:
+            parked = group.detach_nccl(self.generation)
+            if parked is not None:
+                with self._lock:
+                    older, self._parked = self._parked, parked
+                if older is not None:
+                    older.abort()
         for held in [group, *lines]:
             if held is not None:
                 held.destroy()
