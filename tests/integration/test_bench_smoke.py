@@ -77,3 +77,45 @@ def test_the_sharded_recovery_benchmark_moves_about_one_shard_per_recovery() -> 
     assert HSDP_KEYS <= last.keys(), sorted(last)
     assert last["parallel"] == "hsdp" and last["mesh"] == [2, 1]
     assert 1.0 <= last["bytes_moved_ratio"] <= last["bytes_moved_ratio_max"] <= 1.1, last
+
+
+@pytest.mark.slow
+def test_the_rendezvous_benchmark_runs_both_designs_and_real_gloo_at_tiny_size() -> None:
+    # 16 simulated ranks (the counted arrival's smallest world) over 2 worker processes
+    # and 2 stores, then 4 real gloo ranks per design: ~20 s, most of it torch imports
+    args = ["--ranks", "16", "--sizes", "4,16", "--procs", "2", "--stores", "2", "--repeat", "1"]
+    last = last_json_line(
+        "bench.rendezvous", [*args, "--limit-s", "20", "--e2e-ranks", "4", "--e2e-procs", "1"]
+    )
+    assert {"ranks", "today", "new", "spread", "e2e"} <= last.keys(), sorted(last)
+    assert set(last["today"]) == set(last["new"]) == {"4", "16"}, last
+    assert [run["design"] for run in last["e2e"]] == ["today", "new"], last
+
+
+SCALE_KEYS = {
+    "record_bytes",
+    "plan_bytes_per_node",
+    "node_loss_to_all_launchers_s",
+    "planner_decision_ms",
+    "planner_rss_mb",
+    "nats_bytes_per_plan",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_scale_benchmark_runs_simulated_launchers_through_node_losses() -> None:
+    # 8 simulated nodes of 4 ranks + 2 spares (a lost node's members and the spares used
+    # before leave enough for the second loss), today's plan delivery, every rank following
+    args = ["--ranks", "32", "--ranks-per-node", "4", "--spares-per-node", "2", "--node-losses", "2"]
+    last = last_json_line(
+        "bench.scale", [*args, "--quiet-s", "0.5", "--rank-followers", "all"], timeout_s=100
+    )
+    assert SCALE_KEYS <= last.keys(), sorted(last)
+    assert last["node_losses"] == 2 and not last["failures"], last
+
+
+@pytest.mark.slow
+def test_the_scale_benchmark_measures_the_record_alone() -> None:
+    last = last_json_line("bench.scale", ["--ranks", "256", "--record-only"], timeout_s=60)
+    assert {"record_bytes", "record_encode_ms", "record_decode_ms", "exceeds_max_payload"} <= last.keys()
