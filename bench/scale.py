@@ -522,7 +522,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="then run this design in the same invocation and report it under its name ('' for none)",
     )
     p.add_argument("--record-only", action="store_true", help="build and measure the job record alone")
-    p.add_argument("--record-mode", choices=("inplace", "step"), default="inplace")
+    p.add_argument("--record-mode", choices=("inplace", "step"), default="step")
     p.add_argument("--node-losses", type=int, default=10)
     p.add_argument("--sim-procs", type=int, default=2, help="simulator processes")
     p.add_argument("--interval-ms", type=float, default=500.0, help="heartbeat and digest interval")

@@ -33,7 +33,19 @@ from phalanx.services.elasticity_planner.plans import Ctx
 from phalanx.services.elasticity_planner.reducer import Reducer, trigger_of
 
 from bench.scalesim import COMMAND, PID_BASE, node_name, store_addr
-from phalanx.contract import JobRecord, JobSpec, JobState, Registered, Role, decode, encode
+from phalanx.contract import (
+    FaultCause,
+    JobRecord,
+    JobSpec,
+    JobState,
+    NodeLost,
+    Registered,
+    Role,
+    decode,
+    encode,
+    node_plan,
+    plan_delta,
+)
 from phalanx.launcher.children import worker_names
 from phalanx.launcher.launcher import command_fingerprint
 
@@ -67,9 +79,7 @@ def specs(nodes: int, per: int, spares: int, now: float) -> list[JobSpec]:
     ]
 
 
-def build(
-    ranks: int, per: int, spares: int, *, mode: str = "inplace", seed: int = 1
-) -> tuple[JobState, float]:
+def build(ranks: int, per: int, spares: int, *, mode: str = "step", seed: int = 1) -> tuple[JobState, float]:
     """The planner's state once generation 1 is committed, and the seconds it took."""
     nodes = max(1, ranks // per)
     now = time.time()
@@ -121,7 +131,7 @@ def _ms(fn: Any, repeats: int) -> float:
     return round(statistics.median(times), 2)
 
 
-def measure(ranks: int, per: int, spares: int, *, mode: str = "inplace", repeats: int = 3) -> dict[str, Any]:
+def measure(ranks: int, per: int, spares: int, *, mode: str = "step", repeats: int = 3) -> dict[str, Any]:
     """The record of an N-rank job: sizes, times, the payload limit."""
     log(
         f"record: building the job record of {ranks} ranks ({per}/node + {spares} spare/node) via the reducer ({mode})"
@@ -133,6 +143,26 @@ def measure(ranks: int, per: int, spares: int, *, mode: str = "inplace", repeats
     plan_payload, _ = encode(state.plan)
     encode_ms = _ms(lambda: encode(record), repeats)
     decode_ms = _ms(lambda: decode(payload, headers, JobRecord), repeats)
+    # One node lost: the planner's decision (a reducer step), the delta every launcher
+    # gets, and the part a launcher of an untouched node hands its ranks.
+    lost = sorted(state.nodes)[len(state.nodes) // 2]
+    loss = ev.NodeLoss(
+        msg=NodeLost(
+            job=JOB,
+            incident=f"{JOB}:node:{lost}",
+            node=lost,
+            launcher=state.nodes[lost].launcher,
+            workers=list(state.nodes[lost].workers),
+            cause=FaultCause.HEARTBEAT_LOST,
+            fault_at=time.time() - 1.0,
+        )
+    )
+    after, _ = Reducer().step(state, loss, time.time())
+    step_ms = _ms(lambda: Reducer().step(state, loss, time.time()), repeats)
+    assert after is not None and after.plan is not None
+    delta, _ = encode(plan_delta(state.plan, after.plan))
+    other = sorted(state.nodes)[0]
+    part, _ = encode(node_plan(after.plan, other, set(state.nodes[other].workers)))
     return {
         "ranks": state.plan.world_size,
         "nodes": len(state.nodes),
@@ -145,6 +175,10 @@ def measure(ranks: int, per: int, spares: int, *, mode: str = "inplace", repeats
         "record_encoding": headers.get("Phalanx-Encoding", "msgpack"),
         "nats_max_payload": NATS_MAX_PAYLOAD,
         "exceeds_max_payload": len(payload) > NATS_MAX_PAYLOAD,
+        "node_loss_step_ms": step_ms,
+        "node_loss_world": after.plan.world_size,
+        "delta_bytes": len(delta),
+        "node_plan_bytes": len(part),
         "record_build_s": round(build_s, 2),
         "record_build_mode": mode,
     }

@@ -140,3 +140,25 @@ def test_a_worker_without_a_launcher_sees_its_own_part() -> None:
     part = worker_plan(plan, "n0001-w1")
     assert part.ranks == {"n0001-w1": 3} and part.node == "n0001" and part.world_size == 4
     assert part.rank_of("n0001-w0") is None and part.supersedes(None) and not part.supersedes(part)
+
+
+def test_a_launcher_reads_its_part_of_the_record_run_by_run() -> None:
+    from phalanx.contract import DecodeError, JobRecord, record_node_plan
+
+    nodes = _names(64, 9)
+    order = [w for ws in nodes.values() for w in ws[:8]]
+    order[17] = "n0063-w8"  # a spare took a rank: a run of its own
+    plan = _plan(3, order, nodes).model_copy(update={"removed": ["n0002-w1"]})
+    data, _ = encode(JobRecord(job=JOB, token=7, plan=plan))
+    for node in ("n0000", "n0002", "n0063"):
+        workers = set(nodes[node])
+        assert record_node_plan(data, node, workers) == node_plan(plan, node, workers), node
+    assert record_node_plan(encode(JobRecord(job=JOB, token=7))[0], "n0000", set()) is None
+    bad = JobRecord(job=JOB, token=7, plan=plan).model_dump(mode="json")
+    bad["plan"]["members"] = [["n0000-w", 0, "eight"]]
+    import zlib
+
+    import msgpack
+
+    with pytest.raises(DecodeError, match="malformed"):
+        record_node_plan(zlib.compress(msgpack.packb(bad)), "n0000", set(nodes["n0000"]))

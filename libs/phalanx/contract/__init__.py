@@ -46,6 +46,7 @@ from phalanx.contract.nodeplan import (
     apply_delta,
     node_plan,
     plan_delta,
+    record_node_plan,
     worker_plan,
 )
 
@@ -103,6 +104,7 @@ __all__ = [
     "node_plan",
     "now",
     "plan_delta",
+    "record_node_plan",
     "registry",
     "worker_plan",
 ]

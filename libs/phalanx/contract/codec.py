@@ -24,7 +24,16 @@ from pydantic import ValidationError
 
 from phalanx.contract._base import Message, message_class
 
-__all__ = ["HDR_ENCODING", "HDR_KIND", "HDR_SCHEMA", "DecodeError", "decode", "encode", "headers_for"]
+__all__ = [
+    "HDR_ENCODING",
+    "HDR_KIND",
+    "HDR_SCHEMA",
+    "DecodeError",
+    "decode",
+    "decode_map",
+    "encode",
+    "headers_for",
+]
 
 HDR_KIND = "Phalanx-Kind"
 HDR_SCHEMA = "Phalanx-Schema"
@@ -79,6 +88,22 @@ def decode(data: bytes, headers: dict[str, str] | None) -> Message: ...
 def decode(data: bytes, headers: dict[str, str] | None, expected: type[M]) -> M: ...
 def decode(data: bytes, headers: dict[str, str] | None, expected: type[Message] | None = None) -> Message:
     """Decode a payload; raises :class:`DecodeError` for anything but a valid message."""
+    cls, obj = decode_map(data, headers, expected)
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as exc:
+        errs = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()
+        )
+        raise DecodeError(f"invalid {cls.KIND!r}: {errs}", cls.KIND) from exc
+
+
+def decode_map(
+    data: bytes, headers: dict[str, str] | None, expected: type[Message] | None = None
+) -> tuple[type[Message], dict[str, object]]:
+    """The payload's class and its map, checked for kind, version and encoding but not yet
+    validated as the model: for a reader that needs one part of a large message (a
+    launcher's node out of a 16k-rank record) and validates that part itself."""
     headers = headers or {}
     kind = headers.get(HDR_KIND)
     if kind is None:
@@ -105,10 +130,4 @@ def decode(data: bytes, headers: dict[str, str] | None, expected: type[Message] 
         raise DecodeError(f"malformed msgpack payload for {kind!r}: {exc!r}", kind) from exc
     if not isinstance(obj, dict):
         raise DecodeError(f"payload of {kind!r} is {type(obj).__name__}, not a map", kind)
-    try:
-        return cls.model_validate(obj)
-    except ValidationError as exc:
-        errs = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()
-        )
-        raise DecodeError(f"invalid {kind!r}: {errs}", kind) from exc
+    return cls, obj

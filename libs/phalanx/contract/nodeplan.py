@@ -32,8 +32,10 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationError, field_validator
 
 from phalanx.contract._base import JobMessage
+from phalanx.contract.codec import DecodeError, decode_map, headers_for
+from phalanx.contract.jobrecord import JobRecord
 from phalanx.contract.messages import BatchPlan, NodeId, Plan, WorkerId
-from phalanx.contract.runs import MAX_EXPANDED, Names, split_name
+from phalanx.contract.runs import MAX_EXPANDED, Names, from_runs, split_name
 
 MAX_DELTA_ENTRIES = 1024
 """Moves plus joined runs a delta may carry; a bigger change (the first generation, a
@@ -97,6 +99,9 @@ def _header(plan: Plan) -> dict[str, Any]:
     }
 
 
+_UNCHANGED_AS_NONE = ("store_addrs", "lost_launchers", "lost_hosts")
+
+
 class NodePlan(_Generation):
     """One node's part of a generation: what its launcher and ranks act on."""
 
@@ -131,6 +136,10 @@ class PlanDelta(_Generation):
     KIND = "plan_delta"
     base: int = Field(ge=0)
     full: bool = False
+    # The lists that rarely change travel only when they do (None: as in ``base``).
+    store_addrs: list[Annotated[str, Field(max_length=300)]] | None = Field(default=None, max_length=64)  # type: ignore[assignment]
+    lost_launchers: list[str] | None = Field(default=None, max_length=65536)  # type: ignore[assignment]
+    lost_hosts: list[str] | None = Field(default=None, max_length=65536)  # type: ignore[assignment]
     moves: list[tuple[int, int, int]] = Field(default_factory=list, max_length=MAX_DELTA_ENTRIES)
     joined: list[tuple[str, int, int, int]] = Field(default_factory=list, max_length=MAX_DELTA_ENTRIES)
     removed: Names = Field(default_factory=list)
@@ -162,6 +171,65 @@ def node_plan(plan: Plan, node: str, workers: Collection[str]) -> NodePlan:
         removed=[w for w in plan.removed if w in workers],
         leaving=[w for w in plan.leaving if w in workers],
     )
+
+
+def record_node_plan(data: bytes, node: str, workers: Collection[str]) -> NodePlan | None:
+    """``node``'s part of the plan in a job record as stored (``phalanx_jobs/<job>.plan``),
+    read run by run: a launcher's read of a 16,384-rank record costs its runs (one per
+    node), not 16,384 members. The header fields are validated as a :class:`NodePlan`'s;
+    a malformed record raises :class:`~phalanx.contract.DecodeError` (None: no plan yet)."""
+    _, record = decode_map(data, headers_for(JobRecord), JobRecord)
+    plan = record.get("plan")
+    if plan is None:
+        return None
+    if not isinstance(plan, dict) or not isinstance(plan.get("members"), list):
+        raise DecodeError("a job record whose plan has no members list", JobRecord.KIND)
+    mine: dict[str, list[tuple[int, str]]] = {}
+    for w in workers:
+        prefix, n = split_name(w)
+        mine.setdefault(prefix, []).append((n, w))
+    ranks: dict[str, int] = {}
+    rank = 0
+    try:
+        for run in plan["members"]:
+            if isinstance(run, dict):  # the spelled-out form
+                if run["worker"] in workers:
+                    ranks[run["worker"]] = int(run["rank"])
+                rank += 1
+                continue
+            name, first, count = (run, -1, 1) if isinstance(run, str) else run
+            if (
+                not isinstance(name, str)
+                or not isinstance(first, int)
+                or not isinstance(count, int)
+                or count < 1
+            ):
+                raise ValueError(f"bad run {run!r:.80}")
+            if first < 0:
+                if name in workers:
+                    ranks[name] = rank
+            else:
+                for n, w in mine.get(name, ()):
+                    if first <= n < first + count:
+                        ranks[w] = rank + n - first
+            rank += count
+            if rank > MAX_EXPANDED:
+                raise ValueError(f"members expand past {MAX_EXPANDED}")
+        header = {k: plan[k] for k in _Generation.model_fields if k in plan and k != "world_size"}
+        removed = [w for w in from_runs(plan.get("removed", [])) if w in workers]
+        leaving = [w for w in from_runs(plan.get("leaving", [])) if w in workers]
+        return NodePlan.model_validate(
+            {
+                **header,
+                "world_size": rank,
+                "node": node,
+                "ranks": ranks,
+                "removed": removed,
+                "leaving": leaving,
+            }
+        )
+    except (ValueError, TypeError, KeyError) as exc:  # pydantic's ValidationError is a ValueError
+        raise DecodeError(f"a job record's plan is malformed: {exc}", JobRecord.KIND) from exc
 
 
 def worker_plan(plan: Plan, worker: str) -> NodePlan:
@@ -202,6 +270,9 @@ def plan_delta(prev: Plan | None, plan: Plan) -> PlanDelta:
     expanded = sum(j[2] for j in joined)
     if len(moves) + len(joined) > MAX_DELTA_ENTRIES or expanded > MAX_NODE_WORKERS:
         return PlanDelta(**header, base=prev.generation, full=True)
+    for name in _UNCHANGED_AS_NONE:
+        if getattr(prev, name) == header[name]:
+            header[name] = None
     return PlanDelta(
         **header,
         base=prev.generation,
@@ -244,8 +315,12 @@ def apply_delta(view: NodePlan | None, delta: PlanDelta, workers: Collection[str
     if any(r >= delta.world_size for r in ranks.values()):
         return None  # not a delta of this world: read the record
     try:
+        fields = {k: getattr(delta, k) for k in _Generation.model_fields}  # instances: not validated again
+        for name in _UNCHANGED_AS_NONE:
+            if fields[name] is None:
+                fields[name] = getattr(view, name)
         return NodePlan(
-            **delta.model_dump(include=set(_Generation.model_fields)),
+            **fields,
             node=view.node,
             ranks=ranks,
             removed=[w for w in delta.removed if w in workers],

@@ -25,6 +25,7 @@ reports as a validation error, so a bad payload is refused like any other).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any
 
@@ -130,13 +131,7 @@ def _names_out(value: Iterable[str]) -> list[list[Any]]:
 
 def int_runs(values: Iterable[int]) -> list[list[int]]:
     """Run-length ``values``: ``[[value, count], ...]``."""
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and runs[-1][0] == v:
-            runs[-1][1] += 1
-        else:
-            runs.append([v, 1])
-    return runs
+    return [[v, sum(1 for _ in group)] for v, group in itertools.groupby(values)]
 
 
 def _ints_in(value: Any) -> Any:
