@@ -59,6 +59,22 @@ def process_span(msg: Msg) -> Any:
     )
 
 
+def _redelivered(
+    raw: Msg, handled: dict[tuple[int, Any], None] | None
+) -> tuple[tuple[int, Any] | None, bool]:
+    """``raw``'s key in ``handled``, and whether it is a redelivery of a message this
+    consumer already handled (its ack was lost, e.g. in a server restart): such a one is
+    acknowledged again, not handled twice."""
+    if handled is None:
+        return None, False
+    try:
+        md = raw.metadata
+        key = (md.sequence.stream, md.timestamp)
+    except Exception:  # no JetStream metadata
+        return None, False
+    return key, md.num_delivered > 1 and key in handled
+
+
 class Consumers:
     """The durable pull consumers of one bus."""
 
@@ -252,14 +268,11 @@ class Consumers:
         items: list[tuple[Message, Msg]] = []
         keys: list[tuple[int, Any] | None] = []
         for raw in msgs:
-            key = None
-            if handled is not None:
+            key, again = _redelivered(raw, handled)
+            if again:
                 with contextlib.suppress(Exception):
-                    md = raw.metadata
-                    key = (md.sequence.stream, md.timestamp)
-                    if md.num_delivered > 1 and key in handled:
-                        await raw.ack()  # handled already: its ack was lost
-                        continue
+                    await raw.ack()
+                continue
             try:
                 items.append((decode_on(raw, expected), raw))
                 keys.append(key)
@@ -295,16 +308,11 @@ class Consumers:
         expected: tuple[type[Message], ...],
         handled: dict[tuple[int, Any], None] | None = None,
     ) -> None:
-        # A redelivery of a message this consumer already handled (its ack was lost,
-        # e.g. in a server restart) is acknowledged again, not handled twice.
-        key = None
-        if handled is not None:
+        key, again = _redelivered(raw, handled)
+        if again:
             with contextlib.suppress(Exception):
-                md = raw.metadata
-                key = (md.sequence.stream, md.timestamp)
-                if md.num_delivered > 1 and key in handled:
-                    await raw.ack()
-                    return
+                await raw.ack()
+            return
         try:
             msg = decode_on(raw, expected)
         except DecodeError as err:
