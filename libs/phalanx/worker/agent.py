@@ -216,9 +216,7 @@ class Agent:
 
     def _ack(self, plan: NodePlan) -> None:
         self.status.plan = max(self.status.plan, plan.generation)
-        if self._inbox is not None:  # a heartbeat now tells the launcher, which tells the planner
-            if self._hb is not None:
-                asyncio.get_running_loop().create_task(self._hb.send_extra())
+        if self._inbox is not None:  # the next heartbeat tells the launcher, which tells the planner
             return
         rank = plan.rank_of(self.status.worker)
         if rank is not None and self._bus is not None:

@@ -71,11 +71,6 @@ class HeartbeatPublisher:
             self.bus.log.debug("heartbeat_failed", error=repr(exc), socket=self.socket_path or None)
             return False
 
-    async def send_extra(self) -> None:
-        """One heartbeat now, out of schedule (a plan was taken: the launcher learns it at once)."""
-        if await self.send_now(self.status.heartbeat(self.seq, self.interval_s)):
-            self.seq += 1
-
     async def goodbye(self) -> None:
         """Enter DONE and say so, so the detector does not take the silence that follows for a hang."""
         self.status.enter(Phase.DONE)
