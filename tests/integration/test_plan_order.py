@@ -18,7 +18,7 @@ from phalanx.services.failure_detector.detector import Detector
 from phalanx.services.state_replication.service import StateReplication
 
 from phalanx.bus import Bus
-from phalanx.contract import Action, Member, Plan, PlanDecision, Role
+from phalanx.contract import Action, Member, NodePlan, Plan, PlanDecision, Role, node_plan
 from phalanx.contract.subjects import PLAN
 from phalanx.devstack.jobwatch import JobResult
 from phalanx.devstack.natsserver import NatsServer
@@ -85,15 +85,22 @@ def test_the_agent_takes_only_newer_plans() -> None:
     assert taken == TAKEN and agent.latest is not None and agent.latest.plan == NEWEST
 
 
+def _part(p: Plan) -> NodePlan:
+    """What a launcher of node "local" holds of ``p`` (its part, as from a delta)."""
+    return node_plan(p, "local", {m.worker for m in p.members} | set(p.leaving) | {"w0", "w1"})
+
+
 def test_the_launcher_takes_only_newer_plans(tmp_path: Path) -> None:
     launcher = Launcher(LaunchConfig(job=JOB, cmd=["true"], nproc=2, log_dir=tmp_path))
     launcher.run = "r1"
-    seen: list[Plan] = []
+    seen: list[tuple[int, int]] = []
     for p, _ in SEQUENCE:
-        launcher._apply_plan(p)
-        if launcher.plan is not None and (not seen or seen[-1] is not launcher.plan):
-            seen.append(launcher.plan)
-    assert seen == TAKEN and launcher.plan == NEWEST
+        launcher._apply_plan(_part(p))
+        if launcher.plan is not None and (
+            not seen or seen[-1] != (launcher.plan.token, launcher.plan.generation)
+        ):
+            seen.append((launcher.plan.token, launcher.plan.generation))
+    assert seen == [(t.token, t.generation) for t in TAKEN] and launcher.plan == _part(NEWEST)
 
 
 async def test_the_launcher_ends_on_a_completion_read_before_the_plan_that_took_its_members(
@@ -108,7 +115,7 @@ async def test_the_launcher_ends_on_a_completion_read_before_the_plan_that_took_
     try:
         for r, proc in enumerate(procs):
             launcher.workers[f"w{r}"] = Worker(f"w{r}", Role.RANK, proc, r)
-        launcher._apply_plan(plan(1, 5))
+        launcher._apply_plan(_part(plan(1, 5)))
         complete = PlanDecision(job=JOB, incident=None, action=Action.COMPLETE, reason="members finished")
         await launcher._on_decision(complete, None)  # type: ignore[arg-type]
         assert not launcher._done.is_set()  # its members (of the plan it has) still run
@@ -118,7 +125,7 @@ async def test_the_launcher_ends_on_a_completion_read_before_the_plan_that_took_
         shrunk = plan(2, 5).model_copy(
             update={"members": [Member(rank=0, worker="x0")], "leaving": ["w0", "w1"]}
         )
-        launcher._apply_plan(shrunk)
+        launcher._apply_plan(_part(shrunk))
         assert launcher._done.is_set() and await launcher.wait(1) == 0
     finally:
         for proc in procs:
