@@ -48,6 +48,7 @@ from phalanx.contract.subjects import (
     CHECKPOINT,
     COMM_ERROR,
     DECISION,
+    DELTA,
     ERROR,
     EXITED,
     FAILED,
@@ -56,6 +57,7 @@ from phalanx.contract.subjects import (
     HUNG,
     JOB_SPEC,
     JOINED,
+    NODE_ACK,
     NODE_DIGEST,
     NODE_LOST,
     PLAN,
@@ -70,9 +72,9 @@ from phalanx.contract.subjects import (
 from phalanx.natsauth import NatsAuth, main
 
 EXPECTED: dict[str, set[Subject]] = {
-    "planner": {PLAN, DECISION, JOINED, SPAWN},
+    "planner": {PLAN, DELTA, DECISION, JOINED, SPAWN},
     "detector": {FAILED, HUNG, NODE_LOST},
-    "launcher": {JOB_SPEC, EXITED, NODE_DIGEST, STEPS, ERROR},  # ERROR: as launcher-<job>-<node>
+    "launcher": {JOB_SPEC, EXITED, NODE_DIGEST, NODE_ACK, STEPS, ERROR},  # ERROR: as launcher-<job>-<node>
     "rank": {HEARTBEAT, REGISTERED, ACK, COMM_ERROR, RECOVERED, ERROR},  # ERROR: as rank-<worker>
     "scheduler": {CAPACITY, PREEMPT},
     "policy": {PROPOSAL},
@@ -228,7 +230,7 @@ def test_generated_files(tmp_path: Path) -> None:
 
 # -- per job, per worker -------------------------------------------------------------------
 JOB_SENDS: dict[str, set[Subject]] = {
-    "launcher": {JOB_SPEC, EXITED, NODE_DIGEST, STEPS, ERROR},
+    "launcher": {JOB_SPEC, EXITED, NODE_DIGEST, NODE_ACK, STEPS, ERROR},
     "rank": {HEARTBEAT, REGISTERED, ACK, COMM_ERROR, RECOVERED, ERROR},
 }
 
@@ -293,7 +295,7 @@ def test_a_nodes_launcher_speaks_only_for_its_node() -> None:
 @pytest.mark.parametrize("role", ["launcher", "rank"])
 def test_a_jobs_user_reads_only_its_job(role: str) -> None:
     perms = permissions(role, job="j1", worker="w0" if role == "rank" else None)
-    receives = {PLAN} if role == "rank" else {PLAN, DECISION, JOINED, SPAWN}
+    receives = {PLAN} if role == "rank" else {DELTA, DECISION, JOINED, SPAWN}
     for subject in CATALOGUE:
         assert may_subscribe(perms, _in_job(subject, "j1")) == (subject in receives), subject.pattern
         assert not may_subscribe(perms, _in_job(subject, "j2")), subject.pattern
