@@ -275,7 +275,7 @@ def channel_bytes(counted: dict[str, Any], poll: bool) -> int:
 
 
 async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    design(a.design)  # NotImplementedError now, not in the simulators
+    design(a.design)  # an unknown design fails here, not in the simulators
     rng = random.Random(a.seed)
     mport = free_port()
     srv = NatsServer(store_dir=work / "nats", extra_args=["-m", str(mport)]).start()
