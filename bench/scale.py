@@ -29,7 +29,11 @@ Figures (the last line on stdout, one JSON object; progress on stderr):
   (from the verdict to the end of the settle window; polling re-reads excluded and given
   as ``launcher_poll_bytes_per_s``), median and max over launchers and losses;
 - ``node_loss_to_all_launchers_s``: digests stop -> the last live launcher holds the new
-  plan (detection included), median, p90, max over the losses;
+  plan (detection included), median, p90, max over the losses; its parts:
+  ``detect_s`` (digests stop -> the detector's ``NodeLost`` reaches the bench),
+  ``verdict_to_published_s`` (-> the planner's first publish of the plan, as the bench
+  sees it), ``verdict_to_first_launcher_s``, ``verdict_to_all_launchers_s``, and
+  ``verdict_to_launchers_p50_s`` (half the launchers hold it);
 - ``planner_decision_ms``: the planner's own ``plan`` span of each NodeLost (its
   transaction: input taken -> reducer step -> record committed by compare-and-set), from
   the span file;
@@ -75,7 +79,7 @@ from phalanx.bus import Bus
 from phalanx.bus.kv import kv_decode
 from phalanx.contract import JobRecord, NodeLost, decode
 from phalanx.contract.streams import JOBS_BUCKET
-from phalanx.contract.subjects import NODE_LOST
+from phalanx.contract.subjects import DELTA, NODE_LOST, PLAN
 from phalanx.devstack.natsserver import NatsServer, free_port
 from phalanx.service import ping
 from phalanx.settings import TelemetrySettings, load
@@ -323,6 +327,13 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             lost_changed.set()
 
         await bus.nc.subscribe(NODE_LOST.format(job=JOB), cb=on_lost)
+        published: list[float] = []  # arrivals of plans and deltas (the planner's publish, as seen here)
+
+        async def on_published(raw: Msg) -> None:
+            published.append(time.time())
+
+        for subject in (PLAN, DELTA):
+            await bus.nc.subscribe(subject.format(job=JOB), cb=on_published)
         record = Record(bus)
 
         # -- start ------------------------------------------------------------------------
@@ -371,6 +382,7 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         live = list(range(a.nodes))
         rng.shuffle(live)
         to_lose = live[: a.node_losses]
+        publish_s, first_s, half_s = [], [], []
         loss_s, detect_s, spread_s, plan_bytes, poll_rates, rank_bytes = [], [], [], [], [], []
         nats_net, nats_raw, nats_msgs, background = [], [], [], []
         incidents: set[str] = set()
@@ -402,6 +414,10 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                 failures.append(f"{name}: not every launcher got generation {target}: {done}")
                 break
             t_all = max(d["last"] for d in done if d["last"] is not None)
+            t_first = min(d["first"] for d in done if d["first"] is not None)
+            t_pub = min((t for t in published if t >= t_verdict), default=None)
+            held = [t - t_verdict for d in done for t in d["times"]]
+            half_s.append(pct(held, 50) or 0.0)
             try:
                 rec = await record.wait(
                     lambda r, g=target: r.planner is not None and r.planner.acked >= g, a.plan_timeout_s
@@ -418,6 +434,9 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             loss_s.append(t_all - t_silence)
             detect_s.append(t_verdict - t_silence)
             spread_s.append(t_all - t_verdict)
+            first_s.append(t_first - t_verdict)
+            if t_pub is not None:
+                publish_s.append(t_pub - t_verdict)
             nats_raw.append(w_bytes)
             nats_net.append(w_bytes - bg_rate * w_s)
             nats_msgs.append(w_msgs)
@@ -430,7 +449,8 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                     rank_bytes.append(sum(r["bytes"].values()))
             log(
                 f"loss {i + 1}/{len(to_lose)}: {name} -> generation {generation} at every launcher after "
-                f"{loss_s[-1]:.2f} s (detected {detect_s[-1]:.2f} s); server {w_bytes / 1e6:.1f} MB in the plan's "
+                f"{loss_s[-1]:.2f} s (detected {detect_s[-1]:.2f} s, published +{(publish_s or [-1])[-1]:.2f} s, "
+                f"first launcher +{first_s[-1]:.2f} s, half +{half_s[-1]:.2f} s); server {w_bytes / 1e6:.1f} MB in the plan's "
                 f"{w_s:.1f} s ({bg_rate / 1e6:.2f} MB/s background)"
             )
         rss_end = proc_status(planner_pid)
@@ -461,6 +481,9 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             "node_loss_to_all_launchers_s": summary(loss_s),
             "detect_s": summary(detect_s),
             "verdict_to_all_launchers_s": summary(spread_s),
+            "verdict_to_published_s": summary(publish_s),
+            "verdict_to_first_launcher_s": summary(first_s),
+            "verdict_to_launchers_p50_s": summary(half_s),
             "planner_decision_ms": {
                 **summary(decision_ms, 1),
                 "source": "planner plan span (txn: step + CAS)",

@@ -24,6 +24,13 @@ processes:
   other ranks when their launcher holds the plan), and again for a plan re-sent on the
   plan subject more than 0.5 s after it was first held (``Agent._offer``).
 
+What the simulators share that launchers on a cluster would not (each launcher has its own
+CPU there; here a thousand share one event loop, and their serial work would measure the
+simulator, not the design): a payload delivered to many of a process's launchers is
+decoded once (:class:`SimBus`; the server still delivers and counts every copy), and
+acknowledgements go out once the process has handled the burst of deliveries in front of
+it (:meth:`Simulator._flush_acks`).
+
 Not simulated: the rendezvous store, the ranks' processes and their exits (a fenced
 worker sends no ``RankExited``), step statistics, collective errors.
 
@@ -62,7 +69,8 @@ from phalanx.contract import (
     Role,
     SpawnWorkers,
 )
-from phalanx.contract.subjects import ACK, JOB_SPEC, JOINED, NODE_ACK, NODE_DIGEST, REGISTERED, SPAWN
+from phalanx.contract.codec import HDR_ENCODING
+from phalanx.contract.subjects import ACK, JOB_SPEC, JOINED, NODE_ACK, NODE_DIGEST, REGISTERED, SPAWN, Subject
 from phalanx.launcher.children import worker_names
 from phalanx.launcher.launcher import command_fingerprint
 
@@ -70,6 +78,7 @@ CTL = "bench.scale.ctl"
 PID_BASE = 10_000_000
 SPAWN_PID_BASE = 20_000_000
 COMMAND = ["python", "-m", "bench.scale", "(simulated)"]
+ACK_QUIET_S = 0.005  # acknowledgements wait until no delivery queued one for this long (_flush_acks)
 RESEND_ACK_S = 0.5  # Agent._offer: a re-send this long after the plan was held is acknowledged again
 
 
@@ -80,6 +89,31 @@ def node_name(k: int) -> str:
 def store_addr(k: int) -> str:
     """A distinct (unreachable) address per simulated node: lost hosts are per node, as on a cluster."""
     return f"10.{(k >> 16) & 255}.{(k >> 8) & 255}.{k & 255}:29400"
+
+
+class SimBus(Bus):
+    """A simulator process's connection, shared by its launchers, decoding each distinct
+    payload once (:meth:`decode_input`): every subscription of this process that receives
+    the same bytes on the same subject gets the same (frozen) message. On a cluster each
+    launcher decodes its own copy on its own CPU, in parallel; here a thousand launchers
+    share one core, and decoding one delta a thousand times would measure the simulator,
+    not the design. The server still delivers, and counts, every copy."""
+
+    MEMO = 64
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._memo: dict[tuple[str, bytes, str, Any], Any] = {}
+
+    def decode_input(self, raw: Msg, expected: Any) -> Any:
+        key = (raw.subject, raw.data, (raw.headers or {}).get(HDR_ENCODING, ""), expected)
+        msg = self._memo.get(key)
+        if msg is None:
+            msg = super().decode_input(raw, expected)
+            if len(self._memo) >= self.MEMO:
+                self._memo.clear()
+            self._memo[key] = msg
+        return msg
 
 
 @dataclass
@@ -137,6 +171,8 @@ class Simulator:
         self.rank_followers: dict[str, RankFollower] = {}
         self.followed: set[str] = set()  # workers whose own source acknowledges for them
         self.acks_in_flight = 0
+        self._acks: list[tuple[Subject, PlanAck | NodeAck]] = []
+        self._ack_flush: asyncio.Future[None] | None = None
         self.acks_sent = 0
         self.ack_errors = 0
         self.digests_sent = 0
@@ -341,30 +377,37 @@ class Simulator:
     def _ack(self, n: SimNode, h: Held, workers: list[str]) -> None:
         if self.design.node_acks:  # one NodeAck for the node's members, as the real launcher sends
             if workers:
-                node_ack = NodeAck(
-                    job=self.job, node=n.name, generation=h.generation, workers=sorted(workers)
+                self._queue_ack(
+                    NODE_ACK,
+                    NodeAck(job=self.job, node=n.name, generation=h.generation, workers=sorted(workers)),
                 )
-                self.acks_in_flight += 1
-                self._spawn(self._publish_node_ack(node_ack))
             return
         for w in workers:
-            ack = PlanAck(job=self.job, generation=h.generation, worker=w, rank=h.ranks[w])
-            self.acks_in_flight += 1
-            self._spawn(self._publish_ack(ack))
+            self._queue_ack(ACK, PlanAck(job=self.job, generation=h.generation, worker=w, rank=h.ranks[w]))
 
-    async def _publish_ack(self, ack: PlanAck) -> None:
-        try:
-            await self.bus.publish(ACK, ack, job=self.job, worker=ack.worker)
-            self.acks_sent += 1
-        except Exception:
-            self.ack_errors += 1
-        finally:
-            self.acks_in_flight -= 1
-            self._changed.set()
+    def _queue_ack(self, subject: Subject, ack: PlanAck | NodeAck) -> None:
+        self.acks_in_flight += 1
+        self._acks.append((subject, ack))
+        if self._ack_flush is None or self._ack_flush.done():
+            self._ack_flush = asyncio.ensure_future(self._flush_acks())
 
-    async def _publish_node_ack(self, ack: NodeAck) -> None:
+    async def _flush_acks(self) -> None:
+        """Publish the queued acknowledgements once this process has handled the burst of
+        deliveries in front of it (nothing new queued for ``ACK_QUIET_S``). On a cluster each
+        launcher acknowledges on its own CPU and never delays another launcher's delivery;
+        here a thousand launchers share one event loop, and acknowledging in between would
+        make the later launchers' deliveries wait for the earlier ones' acks."""
+        while self._acks:
+            seen = len(self._acks)
+            await asyncio.sleep(ACK_QUIET_S)
+            if len(self._acks) != seen:
+                continue
+            batch, self._acks = self._acks, []
+            await asyncio.gather(*(self._publish_ack(subject, ack) for subject, ack in batch))
+
+    async def _publish_ack(self, subject: Subject, ack: PlanAck | NodeAck) -> None:
         try:
-            await self.bus.publish(NODE_ACK, ack, job=self.job, node=ack.node)
+            await self.bus.publish(subject, ack, job=self.job)
             self.acks_sent += 1
         except Exception:
             self.ack_errors += 1
@@ -401,6 +444,7 @@ class Simulator:
             "holding": len(times),
             "first": min(times) if times else None,
             "last": max(times) if times else None,
+            "times": times,
             "acks_sent": self.acks_sent,
             "ack_errors": self.ack_errors,
         }
@@ -470,7 +514,9 @@ class Simulator:
 
 
 async def simulate(cfg: dict[str, Any]) -> None:
-    bus = await Bus.connect(cfg["url"], name=f"scale-sim-{cfg['proc']}-{socket.gethostname()}", ensure=False)
+    bus = await SimBus.connect(
+        cfg["url"], name=f"scale-sim-{cfg['proc']}-{socket.gethostname()}", ensure=False
+    )
     sim = Simulator(bus, cfg)
     await sim.start()
     await bus.flush()  # the control subscription is at the server before the bench asks anything

@@ -193,7 +193,10 @@ class Reducer:
         if member or reg.worker in state.lost or reg.worker in state.ranks or reg.worker in state.spares:
             return  # a redelivery (of a spare's registration: it may be a member by now)
         rank = reg.role is Role.RANK and state.phase is JobPhase.WAITING
-        (state.ranks if rank else state.spares).append(reg.worker)
+        if rank:
+            state.ranks.add(reg.worker)
+        else:
+            state.spares.append(reg.worker)
         state.spawned.pop(reg.worker, None)
         maybe_start(ctx)
         if not rank and state.deferred:
@@ -353,7 +356,7 @@ class Reducer:
 def _starting(state: JobState) -> list[str]:
     """Workers of live nodes that have not registered yet (spares warming up)."""
     members = {m.worker for m in state.plan.members} if state.plan else set()
-    known = set(state.ranks) | set(state.spares) | state.lost | members  # a member registered once
+    known = state.ranks | set(state.spares) | state.lost | members  # a member registered once
     return [w for n in state.live_nodes() for w in state.nodes[n].workers if w not in known]
 
 

@@ -3,6 +3,8 @@ what a 16k-rank plan and record look like on the wire, and what a bad run does."
 
 from __future__ import annotations
 
+import random
+
 import msgpack
 import pytest
 from phalanx.services.elasticity_planner import events as ev
@@ -11,7 +13,7 @@ from phalanx.services.elasticity_planner.reducer import Reducer
 from phalanx.contract import BatchPlan, DecodeError, JobRecord, Member, Plan, Role, decode, encode
 from phalanx.contract.codec import HDR_ENCODING, MAX_INFLATED
 from phalanx.contract.jobrecord import NodeState
-from phalanx.contract.runs import MAX_EXPANDED, from_runs, int_runs, node_runs, to_runs
+from phalanx.contract.runs import MAX_EXPANDED, from_runs, int_runs, node_runs, split_name, to_runs
 from tests.unit.planner_inputs import JOB, registered, spec
 
 
@@ -27,6 +29,49 @@ from tests.unit.planner_inputs import JOB, registered, spec
 )
 def test_names_survive_their_runs(names: list[str]) -> None:
     assert from_runs(to_runs(names)) == names
+
+
+def _runs_by_splitting(names: list[str]) -> list[list[object]]:
+    """The runs by the definition: split every name, extend the last run when it continues."""
+    runs: list[list[object]] = []
+    for name in names:
+        prefix, n = split_name(name)
+        if n >= 0 and runs and runs[-1][0] == prefix and runs[-1][1] != -1:
+            first, count = runs[-1][1], runs[-1][2]
+            assert isinstance(first, int) and isinstance(count, int)
+            if first + count == n:
+                runs[-1][2] = count + 1
+                continue
+        runs.append([prefix, n, 1])
+    return runs
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_fast_path_gives_the_runs_splitting_every_name_gives(seed: int) -> None:
+    rng = random.Random(seed)
+    pool = ["w", "n1-w", "n12-w", "x0", "a-", ""]
+    names = []
+    for _ in range(300):
+        if rng.random() < 0.7 and names:  # mostly continuing, as a node's workers do
+            prefix, n = split_name(names[-1])
+            names.append(f"{prefix}{n + 1}" if n >= 0 else f"{names[-1]}{rng.randrange(3)}")
+        else:
+            names.append(rng.choice(pool) + rng.choice(["", "0", "07", str(rng.randrange(20))]))
+    assert to_runs(names) == _runs_by_splitting(names)
+    assert from_runs(to_runs(names)) == names
+    nodes = {w: f"node{i // 7}" for i, w in enumerate(dict.fromkeys(names))}
+    runs = node_runs(nodes)
+    assert {w: r[0] for r in runs for w in from_runs([r[1:]])} == nodes
+    by_node: list[list[object]] = []  # the definition again: a run continues only on its own node
+    for w, node in nodes.items():
+        prefix, n = split_name(w)
+        last = by_node[-1] if by_node else None
+        if last is not None and n >= 0 and last[:2] == [node, prefix] and last[2] != -1:
+            if last[2] + last[3] == n:  # type: ignore[operator]
+                last[3] += 1  # type: ignore[operator]
+                continue
+        by_node.append([node, prefix, n, 1])
+    assert runs == by_node
 
 
 def test_a_node_of_consecutive_workers_is_one_run() -> None:

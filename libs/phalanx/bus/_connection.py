@@ -365,6 +365,16 @@ class Bus:
         with :meth:`report_bad_input`, as :meth:`subscribe` does."""
         return await self.nc.subscribe(subject, cb=cb, pending_msgs_limit=1_000_000)
 
+    def decode_input(self, raw: Msg, expected: type[M] | tuple[type[M], ...]) -> M:
+        """What :meth:`subscribe` hands its handler: ``raw`` decoded as ``expected`` and checked
+        against its subject (:func:`sender_mismatch`); raises :class:`DecodeError`."""
+        if isinstance(expected, tuple):
+            return decode_on(raw, expected)  # type: ignore[return-value]  # one of expected
+        msg = decode(raw.data, raw.headers, expected)
+        if (why := sender_mismatch(raw.subject, msg)) is not None:
+            raise DecodeError(why, msg.KIND)
+        return msg
+
     async def subscribe(
         self,
         subject: str,
@@ -378,17 +388,9 @@ class Bus:
         several) to ``handler``. What does not decode, or names another sender than its subject,
         is refused (:meth:`report_bad_input`); a handler that raises is logged."""
 
-        def check(raw: Msg) -> M:
-            if isinstance(expected, tuple):
-                return decode_on(raw, expected)  # type: ignore[return-value]  # one of expected
-            msg = decode(raw.data, raw.headers, expected)
-            if (why := sender_mismatch(raw.subject, msg)) is not None:
-                raise DecodeError(why, msg.KIND)
-            return msg
-
         async def cb(raw: Msg) -> None:
             try:
-                msg = check(raw)
+                msg = self.decode_input(raw, expected)
             except DecodeError as err:
                 await self.report_bad_input(raw.subject, err)
                 return

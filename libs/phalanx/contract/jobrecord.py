@@ -128,7 +128,10 @@ class JobState(_State):
     plan: Plan | None = Field(default=None, exclude=True, description="Stored beside, as JobRecord.plan.")
     acked: int = Field(default=0, description="The newest generation every member acknowledged.")
     nodes: dict[str, NodeState] = Field(default_factory=dict, description="In join order.")
-    ranks: Names = Field(default_factory=list, description="Registered rank-role workers, in order.")
+    ranks: NameSet = Field(
+        default_factory=set,
+        description="Registered rank-role workers (a set: sorted runs on the wire, O(1) to look up).",
+    )
     spares: Names = Field(default_factory=list, description="Warm spares, first to be used first.")
     lost: NameSet = Field(default_factory=set)
     lost_launchers: list[str] = Field(default_factory=list)

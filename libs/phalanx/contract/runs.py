@@ -72,16 +72,29 @@ def split_name(name: str) -> tuple[str, int]:
 
 
 def to_runs(names: Iterable[str]) -> list[list[Any]]:
-    """``names`` (order kept) as runs of consecutive numbers under one prefix."""
+    """``names`` (order kept) as runs of consecutive numbers under one prefix.
+
+    A name equal to the one that would extend the last run is taken without splitting it
+    (it is ``prefix + str(first + count)``, so :func:`split_name` would give just that):
+    the planner encodes its record on every transaction, and most names continue a run.
+    """
     runs: list[list[Any]] = []
+    expect = None  # the name that extends the last run
     for name in names:
+        if name == expect:
+            last = runs[-1]
+            last[2] += 1
+            expect = f"{last[0]}{last[1] + last[2]}"
+            continue
         prefix, n = split_name(name)
         if n >= 0 and runs:
             last = runs[-1]
             if last[0] == prefix and last[1] >= 0 and last[1] + last[2] == n:
                 last[2] += 1
+                expect = f"{prefix}{n + 1}"
                 continue
         runs.append([prefix, n, 1])
+        expect = f"{prefix}{n + 1}" if n >= 0 else None
     return runs
 
 
@@ -153,16 +166,25 @@ def _ints_in(value: Any) -> Any:
 
 
 def node_runs(nodes: Mapping[str, str]) -> list[list[Any]]:
-    """A worker -> node map as ``[node, prefix, first, count]`` runs (insertion order kept)."""
+    """A worker -> node map as ``[node, prefix, first, count]`` runs (insertion order kept;
+    a worker that extends the last run is taken without splitting it, as in :func:`to_runs`)."""
     runs: list[list[Any]] = []
+    expect: tuple[str, str] | None = None  # (worker, node) that extends the last run
     for worker, node in nodes.items():
+        if expect is not None and worker == expect[0] and node == expect[1]:
+            last = runs[-1]
+            last[3] += 1
+            expect = (f"{last[1]}{last[2] + last[3]}", node)
+            continue
         prefix, n = split_name(worker)
         if n >= 0 and runs:
             last = runs[-1]
             if last[0] == node and last[1] == prefix and last[2] >= 0 and last[2] + last[3] == n:
                 last[3] += 1
+                expect = (f"{prefix}{n + 1}", node)
                 continue
         runs.append([node, prefix, n, 1])
+        expect = (f"{prefix}{n + 1}", node) if n >= 0 else None
     return runs
 
 
