@@ -780,8 +780,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.trials < 1:
         ap.error("--trials must be >= 1")
     baseline_trials = min(args.trials, 5) if args.baseline_trials is None else args.baseline_trials
-    work = Path(tempfile.mkdtemp(prefix="phalanx-bench-recovery-"))
-    out = hsdp(args, work, baseline_trials) if sharded else ddp(args, work, baseline_trials)
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-recovery-") as tmp:
+        work = Path(tmp)
+        out = hsdp(args, work, baseline_trials) if sharded else ddp(args, work, baseline_trials)
     print(json.dumps(out), flush=True)
     return 0
 
