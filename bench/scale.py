@@ -413,11 +413,10 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             if not all(d["ok"] for d in done):
                 failures.append(f"{name}: not every launcher got generation {target}: {done}")
                 break
-            t_all = max(d["last"] for d in done if d["last"] is not None)
-            t_first = min(d["first"] for d in done if d["first"] is not None)
+            held = [t for d in done for t in d["times"]]  # when each live launcher first held it
+            t_all, t_first = max(held), min(held)
+            half_s.append((pct(held, 50) or t_all) - t_verdict)
             t_pub = min((t for t in published if t >= t_verdict), default=None)
-            held = [t - t_verdict for d in done for t in d["times"]]
-            half_s.append(pct(held, 50) or 0.0)
             try:
                 rec = await record.wait(
                     lambda r, g=target: r.planner is not None and r.planner.acked >= g, a.plan_timeout_s
@@ -435,6 +434,7 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             detect_s.append(t_verdict - t_silence)
             spread_s.append(t_all - t_verdict)
             first_s.append(t_first - t_verdict)
+            pub = "?" if t_pub is None else f"{t_pub - t_verdict:.2f}"
             if t_pub is not None:
                 publish_s.append(t_pub - t_verdict)
             nats_raw.append(w_bytes)
@@ -449,7 +449,7 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                     rank_bytes.append(sum(r["bytes"].values()))
             log(
                 f"loss {i + 1}/{len(to_lose)}: {name} -> generation {generation} at every launcher after "
-                f"{loss_s[-1]:.2f} s (detected {detect_s[-1]:.2f} s, published +{(publish_s or [-1])[-1]:.2f} s, "
+                f"{loss_s[-1]:.2f} s (detected {detect_s[-1]:.2f} s, published +{pub} s, "
                 f"first launcher +{first_s[-1]:.2f} s, half +{half_s[-1]:.2f} s); server {w_bytes / 1e6:.1f} MB in the plan's "
                 f"{w_s:.1f} s ({bg_rate / 1e6:.2f} MB/s background)"
             )

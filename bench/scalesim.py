@@ -442,8 +442,6 @@ class Simulator:
             "acks_in_flight": self.acks_in_flight,
             "launchers": len(live),
             "holding": len(times),
-            "first": min(times) if times else None,
-            "last": max(times) if times else None,
             "times": times,
             "acks_sent": self.acks_sent,
             "ack_errors": self.ack_errors,

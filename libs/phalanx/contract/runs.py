@@ -166,26 +166,13 @@ def _ints_in(value: Any) -> Any:
 
 
 def node_runs(nodes: Mapping[str, str]) -> list[list[Any]]:
-    """A worker -> node map as ``[node, prefix, first, count]`` runs (insertion order kept;
-    a worker that extends the last run is taken without splitting it, as in :func:`to_runs`)."""
-    runs: list[list[Any]] = []
-    expect: tuple[str, str] | None = None  # (worker, node) that extends the last run
-    for worker, node in nodes.items():
-        if expect is not None and worker == expect[0] and node == expect[1]:
-            last = runs[-1]
-            last[3] += 1
-            expect = (f"{last[1]}{last[2] + last[3]}", node)
-            continue
-        prefix, n = split_name(worker)
-        if n >= 0 and runs:
-            last = runs[-1]
-            if last[0] == node and last[1] == prefix and last[2] >= 0 and last[2] + last[3] == n:
-                last[3] += 1
-                expect = (f"{prefix}{n + 1}", node)
-                continue
-        runs.append([node, prefix, n, 1])
-        expect = (f"{prefix}{n + 1}", node) if n >= 0 else None
-    return runs
+    """A worker -> node map as ``[node, prefix, first, count]`` runs (insertion order kept):
+    the :func:`to_runs` of each stretch of consecutive workers on one node."""
+    return [
+        [node, *run]
+        for node, stretch in itertools.groupby(nodes.items(), key=lambda item: item[1])
+        for run in to_runs(worker for worker, _ in stretch)
+    ]
 
 
 def _nodes_in(value: Any) -> Any:
