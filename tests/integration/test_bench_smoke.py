@@ -113,6 +113,22 @@ def test_the_scale_benchmark_runs_simulated_launchers_through_node_losses() -> N
     )
     assert SCALE_KEYS <= last.keys(), sorted(last)
     assert last["node_losses"] == 2 and not last["failures"], last
+    # both plan-delivery designs of bench/scaleplan.py ran: "new", then the "today" baseline
+    assert last["design"] == "new" and SCALE_KEYS <= last["today"].keys(), last.get("today")
+    assert last["today"]["node_losses"] == 2 and not last["today"]["failures"], last["today"]
+
+
+def test_the_scale_modules_run_at_tiny_size_in_process() -> None:
+    """bench/scalerecord.py (the record built by the planner's reducer) and
+    bench/scaleplan.py (the designs) directly, as ``bench.scale`` uses them."""
+    from bench import scaleplan, scalerecord
+
+    got = scalerecord.measure(64, 8, 1, repeats=1)
+    assert got["ranks"] == 64 and got["nodes"] == 8 and got["workers"] == 72, got
+    assert {"record_bytes", "delta_bytes", "node_plan_bytes", "exceeds_max_payload"} <= got.keys()
+    assert {scaleplan.design(name).name for name in scaleplan.DESIGNS} == {"new", "today"}
+    with pytest.raises(ValueError, match="unknown design"):
+        scaleplan.design("neither")
 
 
 @pytest.mark.slow
