@@ -130,6 +130,7 @@ def main() -> None:
     dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
     try:
         (save if args.mode == "save" else load)(args, args.rank)
+        dist.barrier()  # no rank tears gloo down while its peer still uses the pair (a C++ abort at exit)
     finally:
         dist.destroy_process_group()
 
