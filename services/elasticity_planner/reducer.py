@@ -34,7 +34,7 @@ not read are replayed first), and sends an unacknowledged plan again.
 from __future__ import annotations
 
 from phalanx.services.elasticity_planner import events as ev
-from phalanx.services.elasticity_planner.decisions import Fault, cause_class
+from phalanx.services.elasticity_planner.decisions import Decision, Fault, cause_class
 from phalanx.services.elasticity_planner.effects import (
     Announce,
     ArmTimer,
@@ -249,6 +249,7 @@ class Reducer:
             state.timers[SPARES + name] = since + wait
             state.settle()
             return
+        decision = _within_restarts(state, decision)
         ctx.emit(Traced(attributes, action=decision.action.value, reason=decision.reason))
         apply(ctx, name, decision)
 
@@ -386,3 +387,20 @@ def _unknown_job(event: ev.Event) -> list[Effect]:
         fields = {"job": event.msg.job, "worker": event.msg.worker, "launch": event.msg.launch}
         return [Log("registration_of_another_run", "info", fields)]
     return []
+
+
+def _within_restarts(state: JobState, decision: Decision) -> Decision:
+    """``decision`` counted against the job's ``max_restarts`` (torchrun's
+    ``--max-restarts``): a recovery past the budget is a stop, whatever the policy said."""
+    if decision.action not in (Action.REPLACE, Action.SHRINK):
+        return decision
+    budget = state.spec.max_restarts
+    if 0 <= budget <= state.restarts:
+        return Decision(
+            Action.STOP,
+            f"{decision.reason}; but the job already recovered {state.restarts} time(s) of "
+            f"max_restarts={budget}: stopping the job",
+            removed=decision.removed,
+        )
+    state.restarts += 1
+    return decision

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -286,3 +287,70 @@ def _groups_nodes(plan: Plan) -> tuple[str, ...]:
     by_rank = [plan.nodes[m.worker] for m in sorted(plan.members, key=lambda m: m.rank)]
     assert all(by_rank[g] == by_rank[g + 1] for g in range(0, len(by_rank), 2)), by_rank
     return tuple(by_rank[::2])
+
+
+# -- an unmodified torchrun script across nodes: restart recovery -------------------------
+@pytest.fixture(scope="module")
+def torchrun4(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict[str, torch.Tensor]]:
+    """torchrun's weights, 4 workers on this host, after the same fault: a worker killed
+    so that every worker restarts from the checkpoint of step ``resume``. (Not the
+    fault-free run's: DDP's first iteration after a restart buckets the gradients anew,
+    and with four ranks another bucket layout sums them in another order -- torchrun's
+    own restart ends an ulp away from its fault-free run too.)"""
+    from tests.e2e.test_unmodified import torchrun
+
+    out = tmp_path_factory.mktemp("torchrun4")
+    done: dict[int, dict[str, torch.Tensor]] = {}
+
+    def weights(resume: int) -> dict[str, torch.Tensor]:
+        if resume not in done:
+            rc, _, save = torchrun(out, f"ref{resume}", nproc=4, max_restarts=1, kill_at=resume + 4)
+            assert rc == 0
+            done[resume] = torch.load(save)
+        return done[resume]
+
+    return weights
+
+
+@pytest.mark.parametrize("what", ["node", "launcher"])
+def test_unmodified_script_survives_a_lost_node_or_launcher_by_restart(
+    what: str,
+    mstack: LocalStack,
+    cluster: NetnsCluster,
+    torchrun4: Callable[[int], dict[str, torch.Tensor]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from tests.e2e.test_unmodified import read_events, script_args
+
+    out = tmp_path_factory.mktemp(f"unmodified-{what}")
+    args, events, save = script_args(out, "u")
+    victim: list[str] = []
+
+    def strike(r: JobResult) -> None:
+        node = _victim(cluster, r, store=False)
+        victim.append(node)
+        if what == "node":
+            cluster.kill_node(node)
+        else:  # the launcher alone: its fork server and workers die with it (parent-death signal)
+            pid = next(p for p in cluster.pids(node) if b"phalanx.cli" in _proc(p, "cmdline"))
+            os.kill(pid, signal.SIGKILL)
+
+    result = mstack.run_nodes(
+        f"unmod-{what}", [sys.executable, *args], nodes=LAYOUT, global_batch=64, steps_log=events,
+        actions=[(14, strike)], timeout_s=240,
+    )  # fmt: skip
+    assert [n.node for n in result.node_losses] == victim, result.node_losses
+    assert all(rc == 0 for n, rc in result.node_returncodes.items() if n != victim[0]), (
+        result.node_returncodes
+    )
+    plan = final(result)
+    assert plan.world_size == 4 and victim[0] not in plan.nodes.values()
+    again = [e for e in read_events(events) if e["event"] == "start" and e["attempt"] > 0]
+    assert sorted(e["rank"] for e in again) == [0, 1, 2, 3], "every member restarts"
+    (resume,) = {e["resume"] for e in again}  # the script's own checkpoint (steps are ms: 10 or 20)
+    assert resume in (10, 20)
+    assert_bitwise_equal(torch.load(save), torchrun4(resume))
+    deadline = time.monotonic() + 10
+    while cluster.pids(victim[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not cluster.pids(victim[0]), "processes of the lost node are still running"

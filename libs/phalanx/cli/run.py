@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,8 +32,9 @@ from phalanx.cli._common import (
     server_url,
     settings,
 )
-from phalanx.contract import Elastic, LrRule
+from phalanx.contract import Elastic, LrRule, Recovery
 from phalanx.settings import LauncherSettings, RankSettings
+from phalanx.worker.pycommand import parse, uses_phalanx
 
 if TYPE_CHECKING:  # imports torch: only when a job is launched
     from phalanx.launcher.launcher import LaunchConfig
@@ -124,8 +126,11 @@ def _plain_default_available() -> bool:
         return False
 
 
-def launch(config: LaunchConfig, timeout_s: float | None, private: bool, workdir: Path) -> int:
-    """Check the control plane (or start a private one), then run the launcher to its end."""
+def launch(
+    config: LaunchConfig, timeout_s: float | None, private: bool, workdir: Path, notice: str | None = None
+) -> int:
+    """Check the control plane (or start a private one), then run the launcher to its end
+    (``notice``: a line to print once the control plane answers)."""
     from phalanx.launcher.launcher import LaunchError, run
     from phalanx.telemetry import setup_logging, setup_tracing, shutdown_tracing
 
@@ -135,13 +140,17 @@ def launch(config: LaunchConfig, timeout_s: float | None, private: bool, workdir
             config.nats_url, config.env = url, {**env, **config.env}
         else:
             asyncio.run(_check_control_plane(config.nats_url or DEFAULT_URL, config.job))
+        if notice:
+            err_console.print(f"[dim]phalanx run: {notice}[/]", soft_wrap=True)
         setup_logging("launcher")
         setup_tracing("phalanx-launcher")
         try:
-            rc = asyncio.run(run(config, timeout_s))
+            rc, why = asyncio.run(run(config, timeout_s))
             if rc != 0:
                 err_console.print(
-                    f"phalanx run: job {config.job} did not complete here (exit {rc}); the log above says why"
+                    f"phalanx run: job {config.job} did not complete here (exit {rc}): {why or 'see the log above'}",
+                    soft_wrap=True,
+                    markup=False,
                 )
             return rc
         except (LaunchError, ValueError) as exc:
@@ -154,10 +163,39 @@ def launch(config: LaunchConfig, timeout_s: float | None, private: bool, workdir
             shutdown_tracing()
 
 
+def torchrun_command(cmd: tuple[str, ...], module: bool, no_python: bool) -> list[str]:
+    """The command as torchrun reads its target: ``train.py ARGS`` and ``-m pkg ARGS`` run
+    with this interpreter, ``--no-python`` runs it as it is, and so does a full command
+    (``python train.py``, ``bash run.sh``).
+
+    >>> torchrun_command(("train.py", "--lr", "1"), False, False)[1:]
+    ['train.py', '--lr', '1']
+    """
+    if no_python:
+        return list(cmd)
+    if module:
+        return [sys.executable, "-m", *cmd]
+    if cmd[0].endswith(".py"):
+        return [sys.executable, *cmd]
+    return list(cmd)
+
+
+def choose_recovery(choice: str, cmd: list[str]) -> Recovery:
+    """``--recovery``: ``auto`` restarts a Python script whose own source never imports
+    ``phalanx`` (an unmodified torchrun script), and recovers any other in process."""
+    if choice != "auto":
+        return Recovery(choice.replace("-", "_"))
+    target = parse(cmd)
+    if target is not None and uses_phalanx(target) is False:
+        return Recovery.RESTART
+    return Recovery.IN_PROCESS
+
+
 @click.command(
     "run",
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
-    epilog="Example: phalanx run --nproc 4 --spares 1 --global-batch 64 -- python train.py --lr 3e-4",
+    epilog="Examples: phalanx run --nproc 4 --spares 1 --global-batch 64 -- python train.py --lr 3e-4;"
+    " as torchrun: phalanx run --nnodes 1 --nproc-per-node 4 --max-restarts 3 train.py --lr 3e-4",
 )
 @click.option(
     "--nproc",
@@ -172,9 +210,8 @@ def launch(config: LaunchConfig, timeout_s: float | None, private: bool, workdir
     "--spares-per-node",
     "spares",
     type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Hot spares on this node: warm workers that replace a lost rank in place.",
+    help="Hot spares on this node: warm workers that replace a lost rank in place"
+    " (default: 0; 1 with restart recovery, so that a crashed rank restarts on its node as under torchrun).",
 )
 @click.option(
     "--job",
@@ -186,6 +223,38 @@ def launch(config: LaunchConfig, timeout_s: float | None, private: bool, workdir
     "--nnodes", default="1", show_default=True, help="MIN[:MAX] nodes; the job starts when MIN have joined."
 )
 @click.option("--node-id", help="This node's name in the job, unique per node (needed when MAX > 1).")
+@click.option(
+    "--node-rank",
+    type=click.IntRange(min=0),
+    help="torchrun's: this node's index; names the node node<N> when --node-id is not given.",
+)
+@click.option(
+    "--standalone",
+    is_flag=True,
+    help="torchrun's: a single-node job on a local control plane (the one on 127.0.0.1:4222, or a private one).",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    help="torchrun's: recover from at most N faults, then stop the job with exit code 1 (default: no limit).",
+)
+@click.option(
+    "--recovery",
+    type=click.Choice(["auto", "restart", "in-process"]),
+    default="auto",
+    show_default=True,
+    help="restart: every member restarts on a change and resumes from the script's own checkpoint (an"
+    " unmodified torchrun script); in-process: survivors stay alive (the script uses phalanx.runtime);"
+    " auto: restart when the script's own source never imports phalanx.",
+)
+@click.option(
+    "--warm/--no-warm",
+    default=True,
+    show_default=True,
+    help="Start Python workers from the node's fork server, torch already imported (--no-warm: plain processes).",
+)
+@click.option("-m", "--module", is_flag=True, help="torchrun's: the target is a Python module (python -m).")
+@click.option("--no-python", is_flag=True, help="torchrun's: run the command as it is, not with python.")
 @click.option(
     "--rdzv-endpoint", metavar="HOST:PORT", help="The NATS server the nodes meet through (default: NATS_URL)."
 )
@@ -284,10 +353,17 @@ def launch(config: LaunchConfig, timeout_s: float | None, private: bool, workdir
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED, metavar="-- COMMAND [ARGS]...")
 def run_command(
     nproc: int,
-    spares: int,
+    spares: int | None,
     job: str | None,
     nnodes: str,
     node_id: str | None,
+    node_rank: int | None,
+    standalone: bool,
+    max_restarts: int | None,
+    recovery: str,
+    warm: bool,
+    module: bool,
+    no_python: bool,
     rdzv_endpoint: str | None,
     bind: str | None,
     global_batch: int,
@@ -309,16 +385,32 @@ def run_command(
 ) -> int:
     """Launch this node's ranks and hot spares for a training command.
 
-    The command is started once per rank and spare with RANK, WORLD_SIZE and
-    PHALANX_* set; the job goes on through crashes, hangs and resizes without a
-    restart. Fails within seconds, saying what to start, when the control plane is
-    not there.
+    The command is started once per rank and spare. A script using phalanx.runtime
+    goes on through crashes, hangs and resizes without a restart; an unmodified
+    torchrun script gets torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)
+    and restarts, warm, from its own checkpoint. Fails within seconds, saying what
+    to start, when the control plane is not there.
     """
     from phalanx.launcher.launcher import LaunchConfig
 
     if not cmd:
         raise Failed("give the training command after --, e.g. `phalanx run --nproc 2 -- python train.py`")
-    if nproc + spares < 1:
+    if standalone and nnodes not in ("1", "1:1"):
+        raise Failed("--standalone is a single-node job: drop --nnodes")
+    if standalone and rdzv_endpoint:
+        raise Failed("--standalone uses a local control plane: drop --rdzv-endpoint")
+    node_id = node_id or (f"node{node_rank}" if node_rank is not None else None)
+    command = torchrun_command(cmd, module, no_python)
+    mode = choose_recovery(recovery, command)
+    if spares is None:
+        spares = 1 if mode is Recovery.RESTART else 0
+    notice = (
+        "the script never imports phalanx: restart recovery (torchrun's environment; every member restarts,"
+        " warm, on a change and resumes from the script's checkpoint); see --recovery"
+        if recovery == "auto" and mode is Recovery.RESTART
+        else None
+    )
+    if nproc + (spares or 0) < 1:
         raise Failed("--nproc 0 starts a node of hot spares only: give it --spares N")
     try:
         min_nodes, max_nodes = parse_nnodes(nnodes)
@@ -349,7 +441,7 @@ def run_command(
     name = job or f"job-{uuid.uuid4().hex[:8]}"
     config = LaunchConfig(
         job=name,
-        cmd=list(cmd),
+        cmd=command,
         nproc=nproc,
         spares=spares,
         global_batch=global_batch,
@@ -362,8 +454,11 @@ def run_command(
         bind=bind,
         join_timeout_s=join_timeout,
         elastic=elastic,
+        recovery=mode,
+        max_restarts=-1 if max_restarts is None else max_restarts,
+        warm=warm,
     )
-    return launch(config, timeout, private, Path(".phalanx") / f"run-{name}")
+    return launch(config, timeout, private, Path(".phalanx") / f"run-{name}", notice)
 
 
 COMMANDS = [run_command]

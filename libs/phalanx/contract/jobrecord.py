@@ -139,6 +139,7 @@ class JobState(_State):
     start_world: int = 0
     exited: NameSet = Field(default_factory=set, description="Workers their launcher saw die.")
     reforms: int = Field(default=0, description="Re-forms of the same members in a row.")
+    restarts: int = Field(default=0, description="Faults recovered from (against JobSpec.max_restarts).")
     reform_at: float = Field(default=0.0, description="Wall time of the last re-form.")
     broken: dict[str, str] = Field(
         default_factory=dict, description="Worker -> its failed collective, this generation."

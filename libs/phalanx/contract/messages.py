@@ -34,6 +34,7 @@ class Phase(StrEnum):
     IDLE = "idle"  # a hot spare waiting for an assignment
     COMPUTE = "compute"
     COLLECTIVE = "collective"
+    RUNNING = "running"  # an unmodified script's rank: training, in compute or a collective (not told apart)
     RECOVERING = "recovering"
     DONE = "done"  # last heartbeat of a worker leaving cleanly: stop watching it
 
@@ -226,6 +227,18 @@ class StepStats(JobMessage):
     steps: list[StepRecord] = Field(max_length=4096)
 
 
+class Recovery(StrEnum):
+    """How a job's workers go on after a change of members.
+
+    ``in_process``: the script uses Phalanx (``phalanx.runtime``); survivors stay alive
+    and re-form. ``restart``: an unmodified torchrun script; every member of the new
+    generation is a fresh (warm) process that resumes from the script's own checkpoint.
+    """
+
+    IN_PROCESS = "in_process"
+    RESTART = "restart"
+
+
 class LrRule(StrEnum):
     """How the learning rate follows the effective batch when the global batch
     cannot be held: ``lr * 1``, ``lr * E/G`` or ``lr * sqrt(E/G)``."""
@@ -360,6 +373,12 @@ class JobSpec(JobMessage):
     global_batch: int = Field(ge=1)
     command: str = Field(default="", max_length=128, description="Fingerprint of the training command.")
     elastic: Elastic = Field(default_factory=lambda: Elastic(), description="How the job grows and shrinks.")
+    recovery: Recovery = Field(default=Recovery.IN_PROCESS, description="How workers go on after a change.")
+    max_restarts: int = Field(
+        default=-1,
+        ge=-1,
+        description="Faults the job recovers from before it stops (torchrun's --max-restarts; -1: no limit).",
+    )
 
     @model_validator(mode="after")
     def _sizes(self) -> JobSpec:
@@ -389,6 +408,8 @@ class JobSpec(JobMessage):
             "global_batch": self.global_batch,
             "command": self.command,
             "elastic": self.elastic.model_dump(mode="json"),
+            "recovery": self.recovery.value,
+            "max_restarts": self.max_restarts,
         }
 
 

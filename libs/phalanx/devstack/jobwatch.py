@@ -103,5 +103,5 @@ def last_logged_step(path: Path) -> int:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
         return -1
-    steps = [json.loads(line)["step"] for line in lines if line.strip().endswith("}")]
+    steps = [json.loads(line).get("step", -1) for line in lines if line.strip().endswith("}")]
     return max(steps, default=-1)

@@ -7,5 +7,8 @@ launcher runs on every node beside the ranks and must start in milliseconds. The
 
 Modules: :mod:`~phalanx.launcher.launcher` (the :class:`Launcher`: join, plans, exits, fencing),
 :mod:`~phalanx.launcher.config` (:class:`LaunchConfig`), :mod:`~phalanx.launcher.children` (starting
-workers: environment, logins, logs) and :mod:`~phalanx.launcher.store` (the store process).
+workers: environment, logins, logs), :mod:`~phalanx.launcher.starter` and
+:mod:`~phalanx.launcher.forkserver` (workers forked warm from the node's fork server, or cold),
+:mod:`~phalanx.launcher.restarts` (restart recovery of an unmodified torchrun script) and
+:mod:`~phalanx.launcher.store` (the store process).
 """

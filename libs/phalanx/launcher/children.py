@@ -4,13 +4,16 @@ Every one dies with the launcher (``PR_SET_PDEATHSIG``): no orphan trains outsid
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
 import signal
 import subprocess
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from phalanx.bus.credentials import ENV_WORKER_CREDENTIALS, worker_credentials
 from phalanx.contract import Role
@@ -25,14 +28,33 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+class Proc(Protocol):
+    """What the launcher needs of a worker process: ``subprocess.Popen``, or a
+    :class:`~phalanx.launcher.forkserver.ForkedProc` forked by the node's fork server."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
 @dataclass
 class Worker:
     name: str
     role: Role
-    proc: subprocess.Popen[bytes]
+    proc: Proc
     slot: int = 0
     exited_at: float | None = None
     returncode: int | None = None
+    generation: int | None = None
+    """Restart recovery: the generation it runs the script for (0: the first plan that
+    names it; None: a spare, which never runs it)."""
+    restarting: bool = False
+    """Ended by the launcher for a restart: its exit is no fault."""
 
 
 def worker_names(node: str, count: int, qualified: bool) -> list[str]:
@@ -84,8 +106,10 @@ def worker_env(
     return env
 
 
-def start_worker(cfg: LaunchConfig, name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Run the job's command as worker ``name``, its output to ``<log_dir>/<name>.log``
+def start_worker(
+    cmd: list[str], cfg: LaunchConfig, name: str, env: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    """Run ``cmd`` (the job's, cold) as worker ``name``, its output to ``<log_dir>/<name>.log``
     when the job has a log directory (else the launcher's own)."""
     out: int | None = None
     if cfg.log_dir is not None:
@@ -93,7 +117,7 @@ def start_worker(cfg: LaunchConfig, name: str, env: dict[str, str]) -> subproces
         out = os.open(cfg.log_dir / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         return subprocess.Popen(
-            cfg.cmd,
+            cmd,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
@@ -102,3 +126,20 @@ def start_worker(cfg: LaunchConfig, name: str, env: dict[str, str]) -> subproces
     finally:
         if out is not None:
             os.close(out)
+
+
+async def end_all(procs: Iterable[Proc], grace_s: float) -> None:
+    """SIGTERM every live one (SIGCONT first: a stopped process cannot act on it), SIGKILL
+    those still running after ``grace_s``, and return once all have ended."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in live):
+        if time.monotonic() > deadline:
+            for p in live:
+                p.kill()
+            deadline = float("inf")
+        await asyncio.sleep(0.005)

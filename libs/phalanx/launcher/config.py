@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from phalanx.contract import Elastic
+from phalanx.contract import Elastic, Recovery
 
 
 @dataclass
@@ -31,3 +31,9 @@ class LaunchConfig:
     join_retry_s: float = 30.0  # for a refusal that may lift (the node's old launcher not yet lost)
     store_timeout_s: float = 60.0  # for the store process to serve (it imports torch)
     elastic: Elastic = field(default_factory=Elastic)  # sizes, cool-down, grace, batch split, LR rule
+    recovery: Recovery = (
+        Recovery.IN_PROCESS
+    )  # restart: an unmodified torchrun script (phalanx.runtime.unmodified)
+    max_restarts: int = -1  # faults the job recovers from before it stops (-1: no limit)
+    warm: bool = True  # start Python workers from the node's fork server (phalanx.runtime.zygote)
+    restart_grace_s: float = 3.0  # a member ended for a restart: SIGTERM, then SIGKILL after this

@@ -24,6 +24,15 @@ ranks:
 - fences: a worker a plan removes (a hung rank) is SIGKILLed, which turns a hang
   into a crash and releases the survivors blocked in a collective; a launcher
   whose node was declared lost (cut off, then back) fences all its workers and ends;
+- starts Python workers warm, forked from the node's fork server
+  (:mod:`phalanx.launcher.forkserver`), which has imported torch once; cold (a plain
+  process) when the command is not ``python script.py`` / ``-m`` / ``-c``, when the
+  server says a fork is unsafe, or with ``warm=False``;
+- with restart recovery (an unmodified torchrun script, :mod:`phalanx.runtime.unmodified`),
+  ends every member of the old generation on each new plan and starts the new
+  generation's from the fork server, as torchrun's agent restarts its workers; their
+  exits are no faults. A worker that could not start the script at all (an import
+  error) ends the job on this node with the error, rather than a restart loop;
 - ends when its node's members of the current plan have all exited 0, when the
   planner declares the job complete (a node holding only spares), or stops it.
 """
@@ -35,6 +44,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import shutil
 import signal
 import socket
 import tempfile
@@ -55,14 +65,17 @@ from phalanx.contract import (
     NodePlan,
     PlanDecision,
     RankExited,
+    Recovery,
     Role,
     SpawnWorkers,
 )
 from phalanx.contract.subjects import DECISION, EXITED, JOB_SPEC, JOINED, NODE_ACK, SPAWN
-from phalanx.launcher.children import Worker, start_worker, worker_env, worker_names
+from phalanx.launcher.children import Worker, end_all, worker_names
 from phalanx.launcher.config import LaunchConfig
 from phalanx.launcher.handout import Handout
 from phalanx.launcher.planview import NodePlanFollower
+from phalanx.launcher.restarts import end_then_start, members_to_restart
+from phalanx.launcher.starter import Starter
 from phalanx.launcher.store import StoreError, StoreProcess
 from phalanx.metrics import LauncherMetrics, MetricsServer, serve_metrics
 from phalanx.settings import LauncherSettings, load
@@ -80,6 +93,27 @@ class LaunchError(RuntimeError):
 def command_fingerprint(cmd: list[str]) -> str:
     """What launchers compare to be sure every node runs the same training command."""
     return "sha256:" + hashlib.sha256(json.dumps(cmd).encode()).hexdigest()[:16]
+
+
+def job_spec(cfg: LaunchConfig, launcher: str, store_addr: str) -> JobSpec:
+    """What this node's launcher asks the planner: its workers and the job-level settings."""
+    return JobSpec(
+        job=cfg.job,
+        node=cfg.node,
+        launcher=launcher,
+        host=socket.gethostname(),
+        store_addr=store_addr,
+        workers=worker_names(cfg.node, cfg.nproc + cfg.spares, qualified=cfg.max_nodes > 1),
+        ranks=cfg.nproc,
+        min_nodes=cfg.min_nodes,
+        max_nodes=cfg.max_nodes,
+        min_world_size=cfg.min_nproc or 0,
+        global_batch=cfg.global_batch,
+        command=command_fingerprint(cfg.cmd),
+        elastic=cfg.elastic,
+        recovery=cfg.recovery,
+        max_restarts=cfg.max_restarts,
+    )
 
 
 class Launcher:
@@ -107,12 +141,14 @@ class Launcher:
         self.follower: NodePlanFollower | None = None
         self.handout: Handout | None = None
         self.removed_reason: str | None = None
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"phalanx-{config.job}-"))
+        self.starter = Starter(config, self.log, self._tmp)  # ValueError: restart of a non-Python command
+        self._restarts: set[asyncio.Task[None]] = set()
         self._listener: socket.socket | None = None
         self._port = 0
         self._joined: asyncio.Future[NodeJoined] | None = None
         self._done = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tmp = Path(tempfile.mkdtemp(prefix=f"phalanx-{config.job}-"))
         # This process's identity in the job: a launcher started again on the same
         # node is new capacity, not the one that was lost.
         self.id = f"{config.node}-{uuid.uuid4().hex[:12]}"
@@ -132,8 +168,9 @@ class Launcher:
         self._listener = listen_socket(self.bind)
         self._port = int(self._listener.getsockname()[1])
         self.store = StoreProcess(self._listener, self.bind, self.log)
-        self.store.on_exit = self._store_exited
+        self.store.on_exit = self._part_died
         await self.store.start()
+        self.starter.start_fork_server(self._part_died)
         try:
             self.bus = bus = await asyncio.wait_for(
                 Bus.connect(url, name=f"launcher-{self.job}-{self.node}"), cfg.join_timeout_s
@@ -173,27 +210,14 @@ class Launcher:
         self.digests.on_heartbeat = self._heard
         await self.digests.start()
         self.log.info("node_joined", run=self.run, workers=joined.workers, reason=joined.reason)
+        await asyncio.to_thread(self.starter.wait_ready, cfg.store_timeout_s)
         for name, role in zip(joined.workers, roles, strict=True):
-            self.spawn(name, role)
+            self.spawn(name, role, generation=0 if role is Role.RANK else None)
 
     async def _join(self) -> NodeJoined:
         cfg = self.config
         assert self.bus is not None and self._loop is not None
-        spec = JobSpec(
-            job=self.job,
-            node=self.node,
-            launcher=self.id,
-            host=socket.gethostname(),
-            store_addr=self.store_addr,
-            workers=worker_names(cfg.node, cfg.nproc + cfg.spares, qualified=cfg.max_nodes > 1),
-            ranks=cfg.nproc,
-            min_nodes=cfg.min_nodes,
-            max_nodes=cfg.max_nodes,
-            min_world_size=cfg.min_nproc or 0,
-            global_batch=cfg.global_batch,
-            command=command_fingerprint(cfg.cmd),
-            elastic=cfg.elastic,
-        )
+        spec = job_spec(cfg, self.id, self.store_addr)
         # A node whose old launcher died is refused until the detector declares it
         # lost (a fraction of a second): such refusals are asked again, for a while.
         retry_until = time.monotonic() + cfg.join_retry_s
@@ -233,12 +257,19 @@ class Launcher:
         assert self.bus is not None
         await self.bus.publish(NODE_ACK, ack, job=self.job, node=self.node)
 
-    def _store_exited(self, why: str) -> None:
-        """The store died under the job: its members cannot meet again here. The node
-        ends, as a lost one (the plan then names a store on another node)."""
-        if not self._done.is_set():
-            self.removed_reason = why
-            self._done.set()
+    def _part_died(self, why: str) -> None:
+        """The store or the fork server died under the job (the fork server's workers with
+        it): the node ends, as a lost one (the plan then names a store on another node).
+        Called on the loop or on the fork server's reader thread."""
+        assert self._loop is not None
+
+        def end() -> None:
+            if not self._done.is_set():
+                self.removed_reason = why
+                self._done.set()
+
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the launcher ended anyway
+            self._loop.call_soon_threadsafe(end)
 
     @property
     def store_addr(self) -> str:
@@ -251,8 +282,9 @@ class Launcher:
         taken = {w.slot for w in self.workers.values() if w.proc.poll() is None}
         return next(i for i in range(len(taken) + 1) if i not in taken)
 
-    def spawn(self, name: str, role: Role, requested: bool = False) -> Worker:
-        """Start worker ``name``; ``requested``: the planner asked for it (a restart, more capacity)."""
+    def spawn(self, name: str, role: Role, requested: bool = False, generation: int | None = None) -> Worker:
+        """Start worker ``name``; ``requested``: the planner asked for it (a restart, more
+        capacity); ``generation``: restart recovery's (see :class:`Worker`)."""
         slot = self.free_slot()
         job_env = {
             "PHALANX_JOB": self.job,
@@ -265,8 +297,8 @@ class Launcher:
             job_env["PHALANX_HEARTBEAT_SOCKET"] = str(self.digests.socket_path)
         if self.handout is not None:
             job_env["PHALANX_PLAN_SOCKET"] = self.handout.path_of(name)
-        proc = start_worker(self.config, name, worker_env(self.config, name, role, slot, job_env, self.log))
-        w = Worker(name, role, proc, slot)
+        proc = self.starter.start(name, role, slot, job_env, generation)
+        w = Worker(name, role, proc, slot, generation=generation)
         self.workers[name] = w
         self.metrics.started(role.value, requested)
         if self.digests is not None:
@@ -295,9 +327,13 @@ class Launcher:
     async def _on_exit(self, w: Worker) -> None:
         rc = w.returncode
         assert rc is not None and w.exited_at is not None and self.bus is not None
-        if self.digests is not None:
+        if self.digests is not None and self.workers.get(w.name) is w:  # not its successor's heartbeats
             self.digests.forget(w.name)
+        if w.restarting:  # ended for a restart by this launcher: no fault
+            self.log.info("worker_ended_for_restart", worker=w.name, pid=w.proc.pid, returncode=rc)
+            return
         self.metrics.exited(w.name, rc)
+        self._read_note(w)
         event = RankExited(
             job=self.job,
             worker=w.name,
@@ -319,6 +355,17 @@ class Launcher:
                     msg_id=f"{self.job}:{w.name}:{w.proc.pid}:exit",
                 )
         self._check_done()
+
+    def _read_note(self, w: Worker) -> None:
+        """A worker that could not start the script at all (an import error) left a note:
+        restarting it would fail the same way, so this node ends, saying why."""
+        error = self.starter.take_note(w.name)
+        if error is None or self._done.is_set():
+            return
+        where = f" (log: {self.config.log_dir / (w.name + '.log')})" if self.config.log_dir else ""
+        self.removed_reason = f"the training script could not start on worker {w.name}: {error[:500]}{where}"
+        self.log.error("script_failed_to_start", worker=w.name, error=error)
+        self._done.set()
 
     def _check_done(self) -> None:
         if self._done.is_set():
@@ -366,6 +413,8 @@ class Launcher:
             self._done.set()
             return
         self._fence([w for w in plan.removed if w in self.workers], plan)
+        if self.config.recovery is Recovery.RESTART:
+            self._restart_members(plan)
         leaving = [w for w in plan.leaving if w in self.workers and self.workers[w].proc.poll() is None]
         if leaving and self._loop is not None:
             # They finish their step and exit 0; only one still running at the deadline is fenced.
@@ -375,6 +424,23 @@ class Launcher:
             )
             self._loop.call_later(left, self._fence_late, leaving, plan)
         self._check_done()
+
+    def _restart_members(self, plan: NodePlan) -> None:
+        """Restart recovery: this node's members of ``plan`` run the script for it
+        (:func:`~phalanx.launcher.restarts.members_to_restart`)."""
+        stale, start = members_to_restart(self.workers, plan)
+        if not start or self._loop is None:
+            return
+        self.log.info("restarting_members", generation=plan.generation, workers=start)
+
+        def spawn() -> None:
+            for name in start:
+                self.spawn(name, Role.RANK, requested=True, generation=plan.generation)
+
+        current = lambda: self.plan is plan and not self._done.is_set()  # noqa: E731
+        task = self._loop.create_task(end_then_start(stale, self.config.restart_grace_s, current, spawn))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
 
     def _fence_late(self, names: list[str], plan: NodePlan) -> None:
         late = [w for w in names if self.workers[w].proc.poll() is None]
@@ -410,9 +476,16 @@ class Launcher:
     # -- end ---------------------------------------------------------------------------
     async def wait(self, timeout_s: float | None = None) -> int:
         """Wait for the job to end on this node: 0 when it completed, 1 when the
-        planner stopped it or this node was removed from it."""
+        planner stopped it or this node was removed from it (:attr:`why`)."""
         await asyncio.wait_for(self._done.wait(), timeout_s)
         return 1 if self.decision is not None or self.removed_reason is not None else 0
+
+    @property
+    def why(self) -> str | None:
+        """Why the job did not complete on this node (None: it did, or it runs)."""
+        if self.removed_reason is not None:
+            return self.removed_reason
+        return f"the planner stopped the job: {self.decision.reason}" if self.decision is not None else None
 
     def kill(self, worker: str, sig: int = signal.SIGKILL) -> float:
         """Send ``sig`` to a worker (fault injection by a test or benchmark); returns the time."""
@@ -422,17 +495,7 @@ class Launcher:
 
     async def stop(self, grace_s: float = 3.0) -> None:
         self._done.set()
-        for w in self.workers.values():
-            if w.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    w.proc.send_signal(signal.SIGCONT)
-                    w.proc.terminate()
-        deadline = time.monotonic() + grace_s
-        for w in self.workers.values():
-            while w.proc.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            if w.proc.poll() is None:
-                w.proc.kill()
+        await end_all([w.proc for w in self.workers.values()], grace_s)
         if self.digests is not None:
             for name in self.workers:  # all ended: the last digest lists none, so no one is missed
                 self.digests.forget(name)
@@ -441,6 +504,9 @@ class Launcher:
             await self.follower.stop()
         if self.handout is not None:
             self.handout.close()
+        for task in list(self._restarts):
+            task.cancel()
+        await asyncio.to_thread(self.starter.close)
         if self._metrics_server is not None:
             await self._metrics_server.stop()
             self._metrics_server = None
@@ -450,23 +516,21 @@ class Launcher:
             self._listener.close()  # the store process's now (or it never started one)
         if self.bus is not None:
             await self.bus.close()
-        with contextlib.suppress(OSError):
-            for p in self._tmp.iterdir():
-                p.unlink()
-            self._tmp.rmdir()
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
-    async def drain(self, grace_s: float) -> None:
-        """Asked to go (SIGTERM: a pod being deleted, a node being drained): give the
-        planner ``grace_s`` to take this node's workers out at a step boundary (the
-        scheduler's preemption notice leads to a plan in which they leave and exit 0),
-        then end; whatever still runs is stopped by :meth:`stop`."""
-        self.log.warning("draining", grace_s=grace_s, workers=self._running_members())
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and not self._done.is_set():
-            if all(w.proc.poll() is not None for w in self.workers.values()):
-                break
-            await asyncio.sleep(0.05)
-        self._done.set()
+
+async def drain(launcher: Launcher, grace_s: float) -> None:
+    """Asked to go (SIGTERM: a pod being deleted, a node being drained): give the planner
+    ``grace_s`` to take this node's workers out at a step boundary (the scheduler's
+    preemption notice leads to a plan in which they leave and exit 0), then end;
+    whatever still runs is stopped by :meth:`Launcher.stop`."""
+    launcher.log.warning("draining", grace_s=grace_s, workers=launcher._running_members())
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not launcher._done.is_set():
+        if all(w.proc.poll() is not None for w in launcher.workers.values()):
+            break
+        await asyncio.sleep(0.05)
+    launcher._done.set()
 
 
 def drain_grace_s() -> float:
@@ -476,18 +540,19 @@ def drain_grace_s() -> float:
     return load(LauncherSettings).launcher_drain_s
 
 
-async def run(config: LaunchConfig, timeout_s: float | None = None) -> int:
+async def run(config: LaunchConfig, timeout_s: float | None = None) -> tuple[int, str | None]:
+    """Run this node's part of the job to its end: (exit code, why it did not complete)."""
     grace = drain_grace_s()
     launcher = Launcher(config)
     loop = asyncio.get_running_loop()
     drains: list[asyncio.Task[None]] = []
     if grace > 0:
         loop.add_signal_handler(
-            signal.SIGTERM, lambda: drains.append(loop.create_task(launcher.drain(grace)))
+            signal.SIGTERM, lambda: drains.append(loop.create_task(drain(launcher, grace)))
         )
     try:
         await launcher.start()
-        return await launcher.wait(timeout_s)
+        return await launcher.wait(timeout_s), launcher.why
     finally:
         if grace > 0:
             loop.remove_signal_handler(signal.SIGTERM)

@@ -43,6 +43,12 @@ class RankSettings(NatsSettings, TelemetrySettings, HeartbeatSettings, NodeSetti
         description="This worker's unix socket on which its launcher hands it the node's plan"
         " (unset: the worker follows the job's record and plan subject itself).",
     )
+    launcher_pid: int | None = Field(
+        default=None,
+        gt=0,
+        description="The launcher's pid, the one sender the plan socket accepts (unset: the parent's; a worker"
+        " forked by the node's fork server has that server for parent).",
+    )
 
     # --- collectives, state transfer, data, drains, checkpoints ------------------------------
     collective_timeout_s: float = Field(default=120.0, gt=0, description="Backstop of every collective.")

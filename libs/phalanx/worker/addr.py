@@ -48,3 +48,42 @@ def listen_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_of(addr: str) -> str | None:
+    """The name of this host's interface holding IPv4 or IPv6 ``addr`` (None: none does).
+
+    What ``GLOO_SOCKET_IFNAME`` takes: a script left to gloo's default binds to the
+    address its hostname resolves to, which on a host whose name maps to loopback (or
+    to another interface than the one its peers reach) is not the node's address.
+    """
+    import fcntl
+    import ipaddress
+    import struct
+
+    try:
+        ip = ipaddress.ip_address(addr.strip("[]"))
+    except ValueError:
+        return None
+    if ip.version == 6:
+        try:
+            with open("/proc/net/if_inet6") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) >= 6 and ipaddress.ip_address(int(fields[0], 16)) == ip:
+                        return fields[5]
+        except OSError:
+            return None
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(raw[20:24]) == str(ip):
+                return name
+    return None

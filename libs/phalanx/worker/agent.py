@@ -101,9 +101,11 @@ class Agent:
 
     async def _start(self) -> None:
         self._bus = bus = await Bus.connect(self.url, name=f"rank-{self.status.worker}", ensure=False)
-        plan_socket = load(RankSettings).plan_socket
-        if plan_socket is not None:  # the launcher hands us our node's part
-            self._inbox = PlanInbox(str(plan_socket), lambda plan: self._offer(plan, False))
+        settings = load(RankSettings)
+        if settings.plan_socket is not None:  # the launcher hands us our node's part
+            self._inbox = PlanInbox(
+                str(settings.plan_socket), lambda plan: self._offer(plan, False), settings.launcher_pid
+            )
             self._inbox.start()
         else:  # the job's record in KV, watched (replayed after a cut), and the plan subject
             self._follower = PlanFollower(bus, self.status.job, self._offer_whole)

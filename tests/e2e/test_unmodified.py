@@ -1,0 +1,171 @@
+"""Unmodified torchrun scripts under ``phalanx run``: torchrun's contract, restarts.
+
+examples/ddp_torchrun.py never imports Phalanx (DistributedSampler, DDP, its own
+``torch.save`` checkpoint every 10 steps, resumed on start). It runs unchanged under
+``phalanx run`` (the public CLI, against a real nats-server, detector and planner)
+and under torchrun; faults are real SIGKILLs from outside, at a step read from the
+script's own event log. Every run that finishes must end with weights bitwise equal
+to torchrun's fault-free run: resuming from the same checkpoint at the same world
+size is the same computation, whoever restarts it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench.baseline.torchrun import torchrun_command, torchrun_env
+from phalanx.contract import Action
+from phalanx.devstack.jobwatch import JobResult
+from phalanx.devstack.localstack import LocalStack
+from tests.e2e.test_recovery import actions, assert_bitwise_equal
+
+STEPS = 40
+SCRIPT = ["-m", "examples.ddp_torchrun", "--hidden", "64", "--depth", "2", "--ckpt-every", "10"]
+
+
+def script_args(out: Path, name: str, steps: int = STEPS) -> tuple[list[str], Path, Path]:
+    """The script's arguments for run ``name``: (args, its event log, its final weights)."""
+    events, save = out / f"{name}.events", out / f"{name}.pt"
+    args = [*SCRIPT, "--steps", str(steps), "--ckpt", str(out / f"{name}.ckpt"), "--save", str(save)]
+    return [*args, "--events", str(events)], events, save
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def rank_pid(events: Path, rank: int) -> int:
+    """The pid of the newest process that started as ``rank``."""
+    return [e for e in read_events(events) if e["event"] == "start" and e["rank"] == rank][-1]["pid"]
+
+
+def kill_rank(events: Path, rank: int) -> Callable[[Any], None]:
+    return lambda _: os.kill(rank_pid(events, rank), signal.SIGKILL)
+
+
+def torchrun(
+    out: Path, name: str, *, nproc: int, max_restarts: int = 0, kill_at: int | None = None
+) -> tuple[int, Path, Path]:
+    """Run the script under torchrun (SIGKILL rank 1 once step ``kill_at`` is logged):
+    (torchrun's exit code, event log, weights)."""
+    args, events, save = script_args(out, name)
+    proc = subprocess.Popen(
+        torchrun_command(nproc, args, max_restarts=max_restarts),
+        env=torchrun_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None:
+            if (
+                kill_at is not None
+                and max((e.get("step", 0) for e in read_events(events)), default=0) >= kill_at
+            ):
+                os.kill(rank_pid(events, 1), signal.SIGKILL)
+                kill_at = None
+            assert time.monotonic() < deadline, "torchrun did not end"
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.wait(), events, save
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("unmodified")
+
+
+@pytest.fixture(scope="module")
+def torchrun_reference(out: Path) -> dict[str, torch.Tensor]:
+    rc, _, save = torchrun(out, "torchrun-ref", nproc=2)
+    assert rc == 0
+    return torch.load(save)
+
+
+def run_phalanx(
+    stack: LocalStack,
+    out: Path,
+    name: str,
+    *,
+    layout: dict[str, tuple[int, int]] | None = None,
+    launcher_args: tuple[str, ...] = (),
+    kill_at: int | None = None,
+    timeout_s: float = 180,
+    args: list[str] | None = None,
+) -> tuple[JobResult, Path, Path]:
+    """The script under ``phalanx run`` on ``stack`` (2 ranks and a spare by default)."""
+    script, events, save = script_args(out, name)
+    acts = [(kill_at, kill_rank(events, 1))] if kill_at is not None else []
+    result = stack.run_nodes(
+        name,
+        [sys.executable, *(args or script)],
+        nodes=layout or {"local": (2, 1)},
+        steps_log=events,
+        actions=acts,
+        launcher_args=launcher_args,
+        global_batch=64,
+        timeout_s=timeout_s,
+    )
+    return result, events, save
+
+
+def test_unmodified_script_gets_torchrun_env_and_ends_bitwise_as_torchrun(
+    stack: LocalStack, out: Path, torchrun_reference: dict[str, torch.Tensor]
+) -> None:
+    result, events, save = run_phalanx(stack, out, "plain")
+    assert result.returncode == 0, result.node_returncodes
+    starts = [e for e in read_events(events) if e["event"] == "start"]
+    assert sorted(e["rank"] for e in starts) == [0, 1] and all(e["world"] == 2 for e in starts)
+    assert_bitwise_equal(torch.load(save), torchrun_reference)
+
+
+def test_rank_killed_restarts_every_member_from_the_scripts_checkpoint(
+    stack: LocalStack, out: Path, torchrun_reference: dict[str, torch.Tensor]
+) -> None:
+    result, events, save = run_phalanx(stack, out, "rank-kill", kill_at=14)
+    assert result.returncode == 0, result.node_returncodes
+    assert actions(result) == [Action.START, Action.REPLACE]
+    again = [e for e in read_events(events) if e["event"] == "start" and e["attempt"] == 1]
+    assert sorted(e["rank"] for e in again) == [0, 1], "every member restarts, as under torchrun"
+    assert {e["resume"] for e in again} == {10}, "from the script's own checkpoint"
+    rc, _, same_fault = torchrun(out, "torchrun-kill", nproc=2, max_restarts=1, kill_at=14)
+    assert rc == 0
+    assert_bitwise_equal(torch.load(same_fault), torchrun_reference)
+    assert_bitwise_equal(torch.load(save), torchrun_reference)
+
+
+def test_max_restarts_exhausted_ends_with_torchruns_exit_code(stack: LocalStack, out: Path) -> None:
+    rc, _, _ = torchrun(out, "torchrun-exhausted", nproc=2, max_restarts=0, kill_at=5)
+    result, _, save = run_phalanx(stack, out, "exhausted", launcher_args=("--max-restarts", "0"), kill_at=5)
+    assert result.node_returncodes == {"local": rc} and rc == 1
+    assert actions(result)[-1] is Action.STOP
+    assert "max_restarts=0" in result.decisions[-1].reason
+    assert not save.exists()
+
+
+def test_a_script_that_fails_at_import_ends_the_job_without_a_restart_loop(
+    stack: LocalStack, out: Path
+) -> None:
+    t0 = time.monotonic()
+    code = "import no_such_module_for_phalanx_tests"
+    result, _, _ = run_phalanx(stack, out, "broken", args=["-c", code], timeout_s=60)
+    assert result.node_returncodes == {"local": 1}
+    log = (stack.workdir / "launcher-broken-local.log").read_text()
+    assert "could not start" in log and "ModuleNotFoundError" in log, log[-2000:]
+    assert log.count('"worker_started"') == 3, "each worker started once: no restart loop"
+    assert time.monotonic() - t0 < 60
