@@ -29,6 +29,20 @@ SMOKE = {  # module: (its tiny-size arguments, the keys its last JSON line must 
     ),
 }
 
+UNMODIFIED_KEYS = {
+    "phalanx_downtime_s",
+    "phalanx_downtime_p90_s",
+    "phalanx_downtime_max_s",
+    "phalanx_cold_downtime_s",
+    "torchrun_downtime_s",
+    "downtime_ratio",
+    "steady_overhead_pct",
+    "steady_pairs",
+    "warm_process_rss_mb",
+    "warm_process_pss_mb",
+    "fork_server_rss_mb",
+}
+
 
 HSDP_KEYS = {
     "parallel",
@@ -135,3 +149,13 @@ def test_the_scale_modules_run_at_tiny_size_in_process() -> None:
 def test_the_scale_benchmark_measures_the_record_alone() -> None:
     last = last_json_line("bench.scale", ["--ranks", "256", "--record-only"], timeout_s=60)
     assert {"record_bytes", "record_encode_ms", "record_decode_ms", "exceeds_max_payload"} <= last.keys()
+
+
+def test_the_unmodified_script_benchmark_runs_every_side_at_tiny_size() -> None:
+    """bench.recovery --loop unmodified (bench/unmodified.py): warm and cold restarts under
+    phalanx run, torchrun's, a steady pair and the warm spare's memory."""
+    last = last_json_line(
+        "bench.recovery", ["--loop", "unmodified", "--quick", "--nproc", "2"], timeout_s=400
+    )
+    assert UNMODIFIED_KEYS <= set(last), UNMODIFIED_KEYS - set(last)
+    assert len(last["trials"]["phalanx_warm"]) == len(last["trials"]["torchrun"]) == 1

@@ -76,8 +76,8 @@ class ForkServerError(RuntimeError):
 
 
 class ForkServer:
-    def __init__(self, target: Target, env: dict[str, str], log: Any) -> None:
-        self.target, self.log = target, log
+    def __init__(self, target: Target, env: dict[str, str], log: Any, imports: str = "") -> None:
+        self.target, self.log, self.imports = target, log, imports
         self._env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
@@ -101,7 +101,18 @@ class ForkServer:
         t = self.target
         try:
             self.proc = subprocess.Popen(
-                [t.interpreter, *t.flags, "-m", ZYGOTE_MODULE, "--fd", str(theirs.fileno()), "--room", ROOM],
+                [
+                    t.interpreter,
+                    *t.flags,
+                    "-m",
+                    ZYGOTE_MODULE,
+                    "--fd",
+                    str(theirs.fileno()),
+                    "--imports",
+                    self.imports,
+                    "--room",
+                    ROOM,
+                ],
                 env={**self._env, ROOM_ENV: "x" * ENV_ROOM},
                 stdin=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),

@@ -59,6 +59,12 @@ class Handout:
         for w in workers:
             self._send(w)
 
+    def started(self, worker: str) -> None:
+        """A new process runs as ``worker`` (a restart under the same name): its first
+        heartbeat gets the plan at once, whatever was sent to the one before it."""
+        self._last_sent.pop(worker, None)
+        self._holding.discard(worker)
+
     def heard(self, hb: Heartbeat) -> None:
         """A heartbeat accepted from ``hb.worker``: send the plan again if it is behind,
         count it as holding the plan if it is not."""

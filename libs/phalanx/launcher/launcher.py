@@ -297,6 +297,7 @@ class Launcher:
             job_env["PHALANX_HEARTBEAT_SOCKET"] = str(self.digests.socket_path)
         if self.handout is not None:
             job_env["PHALANX_PLAN_SOCKET"] = self.handout.path_of(name)
+            self.handout.started(name)
         proc = self.starter.start(name, role, slot, job_env, generation)
         w = Worker(name, role, proc, slot, generation=generation)
         self.workers[name] = w

@@ -21,6 +21,7 @@ from phalanx.contract import Recovery, Role
 from phalanx.launcher.children import Proc, start_worker, worker_env
 from phalanx.launcher.config import LaunchConfig
 from phalanx.launcher.forkserver import ForkServer, ForkServerError
+from phalanx.settings import LauncherSettings, load
 from phalanx.worker.pycommand import Target, parse
 
 UNMODIFIED_MODULE = "phalanx.runtime.unmodified"
@@ -47,7 +48,7 @@ class Starter:
             self.log.info("fork_server_off", reason="disabled" if not cfg.warm else "not a Python command")
             return
         base = worker_env(cfg, "fork-server", Role.SPARE, 0, {"PHALANX_JOB": cfg.job}, self.log)
-        self.forks = ForkServer(self.target, base, self.log)
+        self.forks = ForkServer(self.target, base, self.log, load(LauncherSettings).warm_imports)
         self.forks.on_exit = on_exit
         self.forks.start()
 

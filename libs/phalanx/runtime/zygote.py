@@ -66,7 +66,6 @@ ROOM_ENV = "PHALANX_ZYGOTE_ROOM"
 and environment (this variable), into which a forked worker writes its own (:func:`retitle`)."""
 MAX_REQUEST_BYTES = 4 << 20
 """A request line longer than this ends the server (its one client never sends one)."""
-WARM_ENV = "PHALANX_WARM_IMPORTS"
 WARM_MODULES = (
     "torch",
     "torch.distributed",
@@ -255,6 +254,7 @@ def _threads_from_env() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m phalanx.runtime.zygote", description="The fork server.")
     parser.add_argument("--fd", type=int, required=True, help="the socket to the launcher, inherited")
+    parser.add_argument("--imports", default="", help="more modules to import (PHALANX_WARM_IMPORTS)")
     parser.add_argument("--room", default="", help="room for a worker's command line (retitle)")
     args = parser.parse_args(argv)
     os.environ.pop(ROOM_ENV, None)
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=args.fd)
     server = Server(sock)
     try:
-        import_s = warm_up(os.environ.get(WARM_ENV, ""))
+        import_s = warm_up(args.imports)
     except Exception as exc:
         server.send({"ready": False, "why": f"warm imports failed: {exc!r}"})
         return 1

@@ -19,3 +19,9 @@ class LauncherSettings(NatsSettings, StreamSettings, TelemetrySettings, MetricsS
     launcher_drain_s: float = Field(
         default=0.0, ge=0, description="How long a launcher told to stop takes its workers out gracefully."
     )
+    warm_imports: str = Field(
+        default="",
+        max_length=4000,
+        pattern=r"^[A-Za-z0-9_., ]*$",
+        description="More modules (comma-separated) the node's fork server imports before it forks workers.",
+    )

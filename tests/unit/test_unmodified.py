@@ -1,0 +1,144 @@
+"""The pieces of restart recovery that need no job: the command's target, torchrun's
+environment, which workers a generation restarts, the planner's restart budget. (The
+fork server forking real workers: tests/integration/test_fork_server.py.)"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from phalanx.services.elasticity_planner.decisions import Decision
+from phalanx.services.elasticity_planner.reducer import _within_restarts
+
+from phalanx.contract import Action, JobSpec, JobState, NodePlan, Role
+from phalanx.launcher.children import Worker
+from phalanx.launcher.restarts import members_to_restart
+from phalanx.runtime.unmodified import torchrun_env
+from phalanx.worker.pycommand import Target, parse, run_target, uses_phalanx
+
+
+# -- the command ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("cmd", "kind", "value", "args", "flags"),
+    [
+        (["python", "train.py", "--lr", "1"], "script", "train.py", ("--lr", "1"), ()),
+        (["/usr/bin/python3.11", "-u", "-X", "dev", "-m", "pkg.mod", "a"], "module", "pkg.mod", ("a",), ("-u", "-X", "dev")),
+        (["python3", "-c", "print(1)", "x"], "code", "print(1)", ("x",), ()),
+    ],
+)  # fmt: skip
+def test_a_python_command_is_read_as_python_reads_it(
+    cmd: list[str], kind: str, value: str, args: tuple[str, ...], flags: tuple[str, ...]
+) -> None:
+    t = parse(cmd)
+    assert t is not None and (t.kind, t.value, t.args, t.flags) == (kind, value, args, flags)
+    assert t.python_args()[-len(args) :] == list(args)
+
+
+@pytest.mark.parametrize(
+    "cmd", [["bash", "run.sh"], ["python"], ["python", "-i", "x.py"], ["python", "-"], ["torchrun", "x.py"]]
+)
+def test_anything_else_starts_cold(cmd: list[str]) -> None:
+    assert parse(cmd) is None
+
+
+def test_a_script_that_imports_phalanx_is_told_from_one_that_does_not(tmp_path: Path) -> None:
+    (tmp_path / "plain.py").write_text("import torch\nimport phalanx_like\n")
+    (tmp_path / "ported.py").write_text("def main():\n    from phalanx.runtime import init\n")
+    (tmp_path / "broken.py").write_text("def (:\n")
+    t = lambda name: Target("python", (), "script", name, ())  # noqa: E731
+    assert uses_phalanx(t("plain.py"), tmp_path) is False
+    assert uses_phalanx(t("ported.py"), tmp_path) is True
+    assert uses_phalanx(t("broken.py"), tmp_path) is None  # unreadable: in-process, as before
+    assert uses_phalanx(t("missing.py"), tmp_path) is None
+    assert uses_phalanx(Target("python", (), "code", "import phalanx.runtime", ()), tmp_path) is True
+    assert uses_phalanx(Target("python", (), "module", "examples.ddp_torchrun", ())) is False
+    assert uses_phalanx(Target("python", (), "module", "examples.ddp_phalanx", ())) is True
+
+
+def test_run_target_ends_as_python_would(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = sys.argv[:], sys.path[0]
+    try:
+        ok = run_target(Target("python", (), "code", "import sys; assert sys.argv == ['-c', 'a']", ("a",)))
+        assert ok.code == 0 and ok.error is None
+        assert run_target(Target("python", (), "code", "raise SystemExit(7)", ())).code == 7
+        assert run_target(Target("python", (), "code", "raise SystemExit('bad')", ())).code == 1
+        failed = run_target(Target("python", (), "code", "1 / 0", ()))
+        assert failed.code == 1 and isinstance(failed.error, ZeroDivisionError) and not failed.at_start
+        missing = run_target(Target("python", (), "code", "import no_such_module_here", ()))
+        assert missing.code == 1 and missing.at_start
+        gone = run_target(Target("python", (), "script", str(tmp_path / "nope.py"), ()))
+        assert gone.code == 2 and gone.at_start
+        (tmp_path / "s.py").write_text("import sys\nsys.exit(0 if __name__ == '__main__' else 3)\n")
+        assert run_target(Target("python", (), "script", str(tmp_path / "s.py"), ())).code == 0
+        assert sys.path[0] == str(tmp_path)  # the script's directory, as python sets it
+    finally:
+        sys.argv[:], sys.path[0] = saved
+    assert "ZeroDivisionError" in capsys.readouterr().err
+
+
+# -- torchrun's environment ----------------------------------------------------------------------
+def test_torchrun_env_of_a_two_node_generation() -> None:
+    plan = NodePlan(job="j", generation=4, world_size=4, store_prefix="j/gen4", ranks={"b-w0": 2, "b-w1": 3})
+    env = torchrun_env(plan, "b-w0", "10.0.0.1:2999", run_id="j", max_restarts=3)
+    assert env["RANK"] == "2" and env["WORLD_SIZE"] == "4" and env["LOCAL_RANK"] == "0"
+    assert env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "1" and env["GROUP_WORLD_SIZE"] == "2"
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "2999")
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "3" and env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["TORCHELASTIC_RUN_ID"] == "j"
+    with pytest.raises(ValueError, match="no member"):
+        torchrun_env(plan, "a-w0", "10.0.0.1:2999", run_id="j", max_restarts=3)
+
+
+# -- which workers a generation restarts ---------------------------------------------------------
+class _Proc:
+    def __init__(self, pid: int, alive: bool = True) -> None:
+        self.pid, self.returncode = pid, None if alive else 0
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.returncode or 0
+
+    def send_signal(self, sig: int) -> None:
+        self.returncode = -sig
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def test_a_new_generation_restarts_every_member_but_those_already_running_it() -> None:
+    workers = {
+        "w0": Worker("w0", Role.RANK, _Proc(1), generation=0),  # waiting for its first plan
+        "w1": Worker("w1", Role.RANK, _Proc(2), generation=1),  # ran generation 1
+        "w2": Worker("w2", Role.SPARE, _Proc(3)),  # an idle spare, now given a rank
+        "w3": Worker("w3", Role.SPARE, _Proc(4)),  # a spare that stays one
+    }
+    first = NodePlan(job="j", generation=1, world_size=2, store_prefix="p", ranks={"w0": 0, "w1": 1})
+    stale, start = members_to_restart(workers, first)
+    assert (stale, start) == ([], []) and workers["w0"].generation == 1
+    second = NodePlan(
+        job="j", generation=2, world_size=3, store_prefix="p", ranks={"w0": 0, "w1": 1, "w2": 2}
+    )
+    stale, start = members_to_restart(workers, second)
+    assert [w.name for w in stale] == ["w0", "w1", "w2"] and start == ["w0", "w1", "w2"]
+    assert all(w.restarting for w in stale) and not workers["w3"].restarting
+
+
+# -- the planner's restart budget ------------------------------------------------------------------
+def test_a_recovery_past_max_restarts_is_a_stop() -> None:
+    spec = JobSpec(job="j", launcher="l", workers=["w0", "w1"], ranks=2, global_batch=8, max_restarts=1)
+    state = JobState(spec=spec)
+    replace = Decision(Action.REPLACE, "w1 died: spare w2 takes rank 1", removed=["w1"])
+    assert _within_restarts(state, replace) is replace and state.restarts == 1
+    stop = _within_restarts(state, replace)
+    assert stop.action is Action.STOP and "max_restarts=1" in stop.reason and stop.removed == ["w1"]
+    hold = Decision(Action.HOLD, "nothing to do")
+    assert _within_restarts(state, hold) is hold
+    unlimited = JobState(spec=spec.model_copy(update={"max_restarts": -1}))
+    assert all(_within_restarts(unlimited, replace) is replace for _ in range(10))
