@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: venv test test-fast demo bench-detect bench-recovery bench-user-loop bench-sharded bench-failover bench-elastic bench-checkpoint proto proto-check lint typecheck clean corpus
+.PHONY: venv test test-fast demo bench-detect bench-recovery bench-user-loop bench-unmodified bench-sharded bench-failover bench-elastic bench-checkpoint proto proto-check lint typecheck clean corpus
 
 venv: $(STAMP)
 
@@ -33,6 +33,9 @@ bench-recovery: venv
 
 bench-user-loop: venv
 	$(PY) -m bench.recovery --loop user --nproc 3
+
+bench-unmodified: venv
+	$(PY) -m bench.recovery --loop unmodified
 
 bench-sharded: venv
 	$(PY) -m bench.recovery --parallel hsdp

@@ -9,8 +9,9 @@ bench/baseline/elastic_worker.py: same data, global batch 48, optimizer):
 - Phalanx: two launchers on this machine ("nodes" a and b, two ranks each, no
   spares), NATS and the four services from LocalStack. At ``T``: ``phalanx cluster
   reclaim b --grace 10s`` (b's ranks finish their step and leave); at ``2T`` and
-  ``3T``: ``phalanx cluster offer 1 --node b`` (b's launcher starts a worker; the job
-  grows once it is warm). The global batch is held at every size.
+  ``3T``: ``phalanx cluster offer 1 --node b`` (b's launcher forks a worker from its
+  fork server, torch already imported; the job grows once it is warm). The global
+  batch is held at every size.
 - torchrun elastic (bench/baseline/torchrun_elastic.py): one agent per node slot,
   ``--nnodes 2:4``, c10d rendezvous with tuned-down timeouts, a checkpoint every 10
   steps; agents stopped and started on the trace; every change restarts the workers

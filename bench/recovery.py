@@ -49,7 +49,9 @@ With ``--loop user`` the same comparison runs on the user's own loop: the
 Phalanx side is examples/ddp_phalanx.py (DDP, DataLoader, AdamW, a one-cycle
 schedule, gradient clipping; ``phalanx.runtime.loop``), the reference its plain
 torchrun script examples/ddp_plain.py, for the steady step time
-(``steady_overhead_pct``, three interleaved pairs) and for the restart (torchrun
+(``steady_overhead_pct``: the median over five interleaved pairs of each pair's
+overhead, each pair printed and listed in ``steady_overhead_pairs_pct``;
+``steady_overhead_pooled_pct`` pools the step times) and for the restart (torchrun
 restarts every worker and the plain script, having no checkpoint, starts over).
 On this 2-core machine the ranks share the cores with the nats-server, the
 services and the launcher, whose CPU share is reported
@@ -628,9 +630,12 @@ def ddp(args: argparse.Namespace, work: Path, baseline_trials: int) -> dict[str,
     if user:  # the same pair with the control plane at a tenth of its heartbeat traffic
         quiet = quiet_control_plane_overhead(work, nproc=args.nproc, steps=args.steady_steps)
 
+    plain_runs: list[list[float]] = []  # each steady pair's plain run, in order
+
     def plain() -> list[float]:
         if user:
-            return plain_steady(work, nproc=args.nproc, steps=args.steady_steps)
+            plain_runs.append(plain_steady(work, nproc=args.nproc, steps=args.steady_steps))
+            return plain_runs[-1]
         return list(measure_step_time(args.nproc, args.steady_steps, 3, data=corpus)["step_s"][3:])
 
     def restart(i: int, k: int) -> dict[str, Any]:
@@ -656,11 +661,13 @@ def ddp(args: argparse.Namespace, work: Path, baseline_trials: int) -> dict[str,
         command=port_command if user else gpt_command(corpus),
         plain=plain,
         restart=restart,
-        pairs=1 if args.quick else 3 if user else 2,
+        pairs=1 if args.quick else 5 if user else 2,
     )
+    pairs = steady_pairs(plain_runs, runs.port_s) if user else {}
     return {
         "loop": args.loop,
         **runs.headline(),
+        **pairs,
         **quiet,
         "ddp_step_s": round(statistics.median(runs.plain_s), 4),
         **runs.fault_fields(),
@@ -671,6 +678,30 @@ def ddp(args: argparse.Namespace, work: Path, baseline_trials: int) -> dict[str,
         if user
         else "torchrun --max-restarts 3, plain DDP + DCP checkpoint every 10 steps",
         **nodes,
+    }
+
+
+def steady_pairs(plain_runs: list[list[float]], port_s: list[float]) -> dict[str, Any]:
+    """The steady overhead as the median over the interleaved pairs of each pair's
+    own (port median / plain median - 1): a pair's two runs share the machine's state
+    of the moment, so machine drift between pairs cancels. The port's step times are
+    its runs' in order, each as long as its plain twin (both log every step once, the
+    same warmup dropped). Each pair is printed as a JSON line."""
+    if sum(map(len, plain_runs)) != len(port_s):
+        raise RuntimeError(f"{len(port_s)} port step times do not pair with {list(map(len, plain_runs))}")
+    overheads, start = [], 0
+    for i, plain in enumerate(plain_runs):
+        port, start = port_s[start : start + len(plain)], start + len(plain)
+        port_step, plain_step = statistics.median(port), statistics.median(plain)
+        overheads.append(round((port_step / plain_step - 1.0) * 100.0, 2))
+        pair = {"port_step_s": round(port_step, 5), "plain_step_s": round(plain_step, 5)}
+        print(json.dumps({"steady_pair": i, **pair, "overhead_pct": overheads[-1]}), flush=True)
+    return {
+        "steady_overhead_pct": round(statistics.median(overheads), 2),
+        "steady_overhead_pairs_pct": overheads,
+        "steady_overhead_pooled_pct": round(
+            (statistics.median(port_s) / statistics.median(x for r in plain_runs for x in r) - 1.0) * 100.0, 2
+        ),
     }
 
 
@@ -731,6 +762,19 @@ def hsdp(args: argparse.Namespace, work: Path, baseline_trials: int) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(
+        a == "--loop=unmodified" or (a == "unmodified" and i and argv[i - 1] == "--loop")
+        for i, a in enumerate(argv)
+    ):
+        from bench import unmodified  # its own options: an unmodified torchrun script, restarted
+
+        drop = {
+            i
+            for i, a in enumerate(argv)
+            if a in ("--loop", "--loop=unmodified") or (i and argv[i - 1] == "--loop")
+        }
+        return unmodified.main([a for i, a in enumerate(argv) if i not in drop])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=10, help="Phalanx fault trials")
     ap.add_argument(
@@ -749,11 +793,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-single", action="store_true", help="with --nodes: only the node-loss part")
     ap.add_argument(
         "--loop",
-        choices=("trainer", "user"),
+        choices=("trainer", "user", "unmodified"),
         default=None,
         help="trainer (default with ddp): the GPT on phalanx's Trainer vs torchrun + DCP restarts; user: "
         "the user-loop port examples/ddp_phalanx.py vs its plain torchrun script examples/ddp_plain.py "
-        "(hsdp always runs its user-loop port)",
+        "(hsdp always runs its user-loop port); unmodified: examples/ddp_torchrun.py unchanged under "
+        "phalanx run and torchrun, restarted from its own checkpoint (bench/unmodified.py, its own options)",
     )
     ap.add_argument(
         "--parallel",

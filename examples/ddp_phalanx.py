@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         sched.step()
         job.report_loss(loss)  # kept with the step for `phalanx report`
-        log.step(step, loss, job.rank)
+        if job.step_ok:  # a failed step is redone: log it once, when it commits
+            log.step(step, loss, job.rank)
     if job.rank == 0:
         save_weights(model.module, args.save)
     return 0

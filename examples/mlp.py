@@ -101,8 +101,8 @@ def parse_args(
 
 class StepLog:
     """Rank 0's JSON lines: ``{"step": steps done, "ms": wall time since the last
-    line, "loss": this rank's loss, "ts": unix time}`` (a step redone after a
-    recovery logs twice)."""
+    line, "loss": this rank's loss, "ts": unix time}`` (the Phalanx ports log a
+    step only when ``job.step_ok``: a step redone after a recovery logs once)."""
 
     def __init__(self, path: str | None) -> None:
         self.file = open(path, "a") if path else None  # closed at exit

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,7 +35,9 @@ pytestmark = pytest.mark.slow
 
 NODES = ["ctl", "a", "b"]
 LAYOUT = {"a": (2, 0), "b": (2, 0)}
-STEPS = 650  # long enough (~30 s) for two workers to start one after the other (the last grow: step ~380 in CI)
+STEPS = (
+    650  # long enough (~30 s) for two workers to start one after the other (the last grow: step ~380 in CI)
+)
 SHORT = 250  # for changes that start nothing (~10 s)
 ELASTIC = ["--max-nproc", "4", "--min-nproc", "2", "--cooldown", "0.5s", "--grace", "10s"]
 RTOL = 1e-5
@@ -341,3 +344,129 @@ def test_a_sharded_job_shrinks_by_a_replica_group_and_grows_back_by_one_holding_
     assert {s["world"] for s in steps} == {4, 2}  # some steps ran on one replica group
     # the global batch (64) was held: two loader batches per rank at world 2
     assert max_rel_diff(steps, fixed) <= RTOL
+
+
+# The user's own loop (phalanx.runtime.loop) resized the same way: the test worker's
+# MLP with job.steps(..., accumulate=True), micro-batches of 2 samples, the global
+# batch 24 held at every size (3 micro-batches per rank at 4 ranks, 4 at 3, 6 at 2).
+# An epoch is a whole number of global batches, so each step trains the same samples
+# at every size; every rank logs its samples' loss sum per committed step.
+USER_BATCH = 24
+USER_STEPS = 6000
+USER_SHORT = 2500
+USER_WORKER = [sys.executable, "-m", "tests.workers.user_loop_worker", "--accumulate", "--batch-size", "2"]
+USER_MODEL = ["--samples", "480", "--hidden", "64", "--depth", "2", "--sgd"]  # SGD: linear in the gradient
+
+RunUser = Callable[..., tuple[JobResult, dict[int, float], dict[str, torch.Tensor], list[dict[str, Any]]]]
+
+
+@pytest.fixture(scope="module")
+def run_user(estack: LocalStack, tmp_path_factory: pytest.TempPathFactory) -> RunUser:
+    out = tmp_path_factory.mktemp("el-user")
+    counter = iter(range(1_000_000))
+
+    def run(
+        *, steps: int = USER_STEPS, extra: list[str] | None = None, **kwargs: object
+    ) -> tuple[JobResult, dict[int, float], dict[str, torch.Tensor], list[dict[str, Any]]]:
+        job = f"elu{next(counter)}"
+        logs, save = out / job, out / f"{job}.pt"
+        logs.mkdir()
+        cmd = [*USER_WORKER, *USER_MODEL, "--steps", str(steps), "--save", str(save), "--rank-log", str(logs)]
+        result = estack.run_nodes(
+            job,
+            cmd,
+            nodes=LAYOUT,
+            global_batch=USER_BATCH,
+            steps_log=logs / "a-w0.jsonl",  # a's ranks are members throughout
+            launcher_args=[*ELASTIC, *(extra or [])],
+            timeout_s=240,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        assert result.returncode == 0, (result.node_returncodes, result.decisions)
+        lines = [json.loads(x) for p in logs.glob("*.jsonl") for x in p.read_text().splitlines()]
+        return result, global_losses(lines), torch.load(save), lines
+
+    return run
+
+
+def global_losses(lines: list[dict[str, Any]]) -> dict[int, float]:
+    """Each step's loss over the samples it trained: the ranks' loss sums added up."""
+    by_step: dict[int, dict[int, dict[str, Any]]] = {}
+    for x in lines:
+        ranks = by_step.setdefault(int(x["step"]), {})
+        assert x["rank"] not in ranks, f"step {x['step']} logged twice by rank {x['rank']}"
+        ranks[x["rank"]] = x
+    out = {}
+    for step, ranks in by_step.items():
+        assert sorted(ranks) == list(range(next(iter(ranks.values()))["world"])), (step, sorted(ranks))
+        samples = sum(x["samples"] for x in ranks.values())
+        out[step] = sum(x["loss_sum"] for x in ranks.values()) / samples
+    return out
+
+
+@pytest.fixture(scope="module")
+def user_fixed(run_user: RunUser) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    result, losses, weights, _ = run_user()
+    assert [p.world_size for p in result.plans] == [4]
+    assert sorted(losses) == list(range(1, USER_STEPS + 1))
+    return losses, weights
+
+
+def test_user_loop_with_accumulation_resized_4_2_3_4_matches_the_fixed_run(
+    run_user: RunUser, user_fixed: tuple[dict[int, float], dict[str, torch.Tensor]], estack: LocalStack
+) -> None:
+    result, losses, weights, lines = run_user(
+        actions=[
+            (5, lambda r: cluster_cli(estack, "reclaim", "b", "--grace", "10s")),
+            (lambda r: r.world_size == 2, lambda r: cluster_cli(estack, "offer", "1", "--node", "b")),
+            (lambda r: r.world_size == 3, lambda r: cluster_cli(estack, "offer", "1", "--node", "b")),
+        ]
+    )
+    assert [p.world_size for p in result.plans] == [4, 2, 3, 4], [d.reason for d in result.decisions]
+    assert all(p.planned for p in result.plans[1:]) and not result.comm_errors
+    assert {x["world"] for x in lines} == {2, 3, 4}
+    assert {x["samples"] * x["world"] for x in lines} == {USER_BATCH}  # 6, 8 and 12 samples a rank
+    assert all(x["batch"] == USER_BATCH and x["lr_scale"] == 1.0 for x in lines)
+    fixed, fixed_weights = user_fixed
+    assert losses.keys() == fixed.keys()
+    diff = max(abs(losses[k] - fixed[k]) / abs(fixed[k]) for k in fixed)
+    print(f"user loop: loss_max_rel_diff={diff:.3g} over {len(fixed)} steps")
+    assert diff <= RTOL
+    for name, want in fixed_weights.items():
+        torch.testing.assert_close(weights[name], want, rtol=RTOL, atol=1e-7)
+
+
+def test_user_loop_rescales_its_lr_by_the_rule_when_the_batch_cannot_be_held(
+    run_user: RunUser, estack: LocalStack
+) -> None:
+    # 4 replicas x 6 samples fit the cap of 3 micro-batches of 2; at 2 replicas the
+    # cap holds 12 of the 24: lr x sqrt(12/24), the one-cycle schedule keeping its shape
+    result, _, _, lines = run_user(
+        steps=USER_SHORT,
+        extra=["--micro-batch", "2", "--max-accum", "3", "--lr-rule", "sqrt"],
+        actions=[(5, lambda r: cluster_cli(estack, "reclaim", "b", "--grace", "10s"))],
+    )
+    assert [p.world_size for p in result.plans] == [4, 2]
+    before = [x for x in lines if x["world"] == 4]
+    after = [x for x in lines if x["world"] == 2]
+    assert before and after
+    assert all(x["batch"] == USER_BATCH and x["lr_scale"] == 1.0 and x["samples"] == 6 for x in before)
+    scale = math.sqrt(12 / USER_BATCH)
+    assert all(x["batch"] == 12 and math.isclose(x["lr_scale"], scale) and x["samples"] == 6 for x in after)
+    plain = one_cycle_lrs(USER_SHORT)
+    for x in before:
+        assert math.isclose(x["lr"], plain[x["step"] - 1], rel_tol=1e-6), x
+    for x in after:
+        assert math.isclose(x["lr"], scale * plain[x["step"] - 1], rel_tol=1e-6), x
+
+
+def one_cycle_lrs(steps: int, max_lr: float = 0.05) -> list[float]:
+    """The learning rate of each step of the test worker's schedule, unscaled."""
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=max_lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=steps)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(float(opt.param_groups[0]["lr"]))
+        opt.step()
+        sched.step()
+    return lrs

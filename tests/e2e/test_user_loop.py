@@ -12,6 +12,7 @@ with the ranks it joined.
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -174,3 +175,50 @@ def test_a_rank_that_raises_in_the_first_sync_stops_the_job(run: Run) -> None:
     stop = [d for d in result.decisions if d.action is Action.STOP]
     assert len(stop) == 1 and "w0" in stop[0].reason, result.decisions
     assert weights is None
+
+
+# job.steps(..., accumulate=True): 2 micro-batches of 8 per rank and step hold the
+# global batch of 48 (16 x 3 ranks) that the tests above train in one batch of 16.
+ACCUM = ("--accumulate", "--batch-size", "8")
+
+
+@pytest.fixture(scope="module")
+def accumulated(run: Run) -> dict[str, torch.Tensor]:
+    result, weights, _ = run(extra=ACCUM)
+    assert result.returncode == 0, result.decisions
+    assert weights is not None
+    return weights
+
+
+def test_micro_batches_train_as_the_one_batch_they_hold(run: Run) -> None:
+    # The same samples per step, the mean over them in another order of sums (without
+    # dropout: its masks are drawn per forward; SGD: linear in the gradient; epochs of
+    # whole global batches: an epoch's short last micro-batch would weigh as a whole one).
+    plain = ("--dropout", "0", "--sgd", "--samples", "480")
+    one, one_weights, _ = run(extra=plain)
+    micro, micro_weights, _ = run(extra=(*ACCUM, *plain))
+    assert one.returncode == micro.returncode == 0, (one.decisions, micro.decisions)
+    assert one_weights is not None and micro_weights is not None
+    for name, want in one_weights.items():
+        torch.testing.assert_close(micro_weights[name], want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_kill_inside_an_accumulation_step_redoes_it_as_a_unit(
+    run: Run, accumulated: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    # w1 dies in step 5's last micro-batch (its first bucket's all-reduce), after the
+    # first one's backward ran under no_sync: every member redoes both micro-batches.
+    result, weights, dumps = run(
+        spares=1, faults="kill:w1@step=5", extra=(*ACCUM, "--rank-log", str(tmp_path))
+    )
+    assert actions(result) == [Action.START, Action.REPLACE]
+    assert_recovered(result, generation=2)
+    assert next(r for r in result.recoveries if r.worker == "w3").step == 6  # step 5 redone
+    assert_bitwise_equal(weights, accumulated)
+    assert_joiner_in_step(dumps, ["w3"])
+    # job.step_ok: a survivor logged the failed attempt of step 5 not at all, its redo once
+    for worker in ("w0", "w2"):
+        lines = [json.loads(x) for x in (tmp_path / f"{worker}.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in lines] == list(range(1, STEPS + 1)), worker
+        assert all(x["batch"] == 48 and x["lr_scale"] == 1.0 for x in lines)
+        assert {x["samples"] for x in lines} == {16, 11}  # 2 x 8, and the epoch's short step

@@ -12,7 +12,7 @@ import pytest
 from phalanx.services.elasticity_planner.decisions import Decision
 from phalanx.services.elasticity_planner.reducer import _within_restarts
 
-from phalanx.contract import Action, JobSpec, JobState, NodePlan, Role
+from phalanx.contract import Action, JobSpec, JobState, NodePlan, Recovery, Role
 from phalanx.launcher.children import Worker
 from phalanx.launcher.restarts import members_to_restart
 from phalanx.runtime.unmodified import torchrun_env
@@ -142,3 +142,42 @@ def test_a_recovery_past_max_restarts_is_a_stop() -> None:
     assert _within_restarts(state, hold) is hold
     unlimited = JobState(spec=spec.model_copy(update={"max_restarts": -1}))
     assert all(_within_restarts(unlimited, replace) is replace for _ in range(10))
+
+
+# -- phalanx run reads torchrun's command line ------------------------------------------------------
+def test_phalanx_run_reads_the_target_as_torchrun_does() -> None:
+    from phalanx.cli.run import choose_recovery, torchrun_command
+
+    assert torchrun_command(("train.py", "--lr", "1"), False, False) == [
+        sys.executable,
+        "train.py",
+        "--lr",
+        "1",
+    ]
+    assert torchrun_command(("pkg.train", "x"), True, False) == [sys.executable, "-m", "pkg.train", "x"]
+    assert torchrun_command(("./run.sh", "x"), False, True) == ["./run.sh", "x"]
+    assert torchrun_command(("python", "t.py"), False, False) == ["python", "t.py"]
+    plain = [sys.executable, "-m", "examples.ddp_torchrun"]
+    assert choose_recovery("auto", plain) is Recovery.RESTART
+    assert choose_recovery("auto", [sys.executable, "-m", "examples.ddp_phalanx"]) is Recovery.IN_PROCESS
+    assert choose_recovery("auto", ["bash", "run.sh"]) is Recovery.IN_PROCESS
+    assert choose_recovery("in-process", plain) is Recovery.IN_PROCESS
+
+
+def test_torchruns_spellings_of_its_flags_are_accepted() -> None:
+    from click.testing import CliRunner
+
+    from phalanx.cli.run import run_command
+
+    ctx = run_command.make_context(
+        "run",
+        ["--nproc_per_node=2", "--max_restarts=1", "--rdzv_backend=c10d", "--rdzv_id=j", "--node_rank", "1",
+         "--standalone", "-m", "pkg.train", "--lr", "1"],
+    )  # fmt: skip
+    p = ctx.params
+    assert (p["nproc"], p["max_restarts"], p["job"], p["node_rank"], p["standalone"], p["module"]) == (
+        2, 1, "j", 1, True, True,
+    )  # fmt: skip
+    assert p["cmd"] == ("pkg.train", "--lr", "1")
+    bad = CliRunner().invoke(run_command, ["--nproc-per-node", "1", "--standalone", "--nnodes", "2", "x.py"])
+    assert bad.exit_code != 0 and "--standalone is a single-node job" in bad.output

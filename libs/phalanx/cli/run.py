@@ -200,6 +200,7 @@ def choose_recovery(choice: str, cmd: list[str]) -> Recovery:
 @click.option(
     "--nproc",
     "--nproc-per-node",
+    "--nproc_per_node",
     "nproc",
     type=click.IntRange(min=0),
     required=True,
@@ -215,9 +216,19 @@ def choose_recovery(choice: str, cmd: list[str]) -> Recovery:
 )
 @click.option(
     "--job",
+    "--rdzv-id",
+    "--rdzv_id",
+    "job",
     envvar="PHALANX_JOB",
     show_envvar=True,
     help="The job's name, the same on every node (default: a random one for a single node).",
+)
+@click.option(
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "rdzv_backend",
+    type=click.Choice(["c10d", "static", "etcd", "etcd-v2"]),
+    help="torchrun's, accepted and not needed: the nodes meet through Phalanx's control plane (NATS).",
 )
 @click.option(
     "--nnodes", default="1", show_default=True, help="MIN[:MAX] nodes; the job starts when MIN have joined."
@@ -225,6 +236,8 @@ def choose_recovery(choice: str, cmd: list[str]) -> Recovery:
 @click.option("--node-id", help="This node's name in the job, unique per node (needed when MAX > 1).")
 @click.option(
     "--node-rank",
+    "--node_rank",
+    "node_rank",
     type=click.IntRange(min=0),
     help="torchrun's: this node's index; names the node node<N> when --node-id is not given.",
 )
@@ -235,6 +248,8 @@ def choose_recovery(choice: str, cmd: list[str]) -> Recovery:
 )
 @click.option(
     "--max-restarts",
+    "--max_restarts",
+    "max_restarts",
     type=click.IntRange(min=0),
     help="torchrun's: recover from at most N faults, then stop the job with exit code 1 (default: no limit).",
 )
@@ -256,7 +271,11 @@ def choose_recovery(choice: str, cmd: list[str]) -> Recovery:
 @click.option("-m", "--module", is_flag=True, help="torchrun's: the target is a Python module (python -m).")
 @click.option("--no-python", is_flag=True, help="torchrun's: run the command as it is, not with python.")
 @click.option(
-    "--rdzv-endpoint", metavar="HOST:PORT", help="The NATS server the nodes meet through (default: NATS_URL)."
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "rdzv_endpoint",
+    metavar="HOST:PORT",
+    help="The NATS server the nodes meet through (default: NATS_URL).",
 )
 @click.option(
     "--bind",
@@ -355,6 +374,7 @@ def run_command(
     nproc: int,
     spares: int | None,
     job: str | None,
+    rdzv_backend: str | None,
     nnodes: str,
     node_id: str | None,
     node_rank: int | None,

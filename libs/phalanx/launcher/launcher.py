@@ -477,16 +477,9 @@ class Launcher:
     # -- end ---------------------------------------------------------------------------
     async def wait(self, timeout_s: float | None = None) -> int:
         """Wait for the job to end on this node: 0 when it completed, 1 when the
-        planner stopped it or this node was removed from it (:attr:`why`)."""
+        planner stopped it or this node was removed from it (:func:`why`)."""
         await asyncio.wait_for(self._done.wait(), timeout_s)
         return 1 if self.decision is not None or self.removed_reason is not None else 0
-
-    @property
-    def why(self) -> str | None:
-        """Why the job did not complete on this node (None: it did, or it runs)."""
-        if self.removed_reason is not None:
-            return self.removed_reason
-        return f"the planner stopped the job: {self.decision.reason}" if self.decision is not None else None
 
     def kill(self, worker: str, sig: int = signal.SIGKILL) -> float:
         """Send ``sig`` to a worker (fault injection by a test or benchmark); returns the time."""
@@ -534,6 +527,14 @@ async def drain(launcher: Launcher, grace_s: float) -> None:
     launcher._done.set()
 
 
+def why(launcher: Launcher) -> str | None:
+    """Why the job did not complete on this node (None: it did, or it runs)."""
+    if launcher.removed_reason is not None:
+        return launcher.removed_reason
+    d = launcher.decision
+    return f"the planner stopped the job: {d.reason}" if d is not None else None
+
+
 def drain_grace_s() -> float:
     """``PHALANX_LAUNCHER_DRAIN_S``: how long a launcher told to stop (SIGTERM) waits for
     its workers to be taken out of the job gracefully (0, the default: stop at once).
@@ -553,7 +554,7 @@ async def run(config: LaunchConfig, timeout_s: float | None = None) -> tuple[int
         )
     try:
         await launcher.start()
-        return await launcher.wait(timeout_s), launcher.why
+        return await launcher.wait(timeout_s), why(launcher)
     finally:
         if grace > 0:
             loop.remove_signal_handler(signal.SIGTERM)

@@ -477,6 +477,13 @@ class Group:
         except Exception as exc:
             raise CommError(f"allreduce on {self.prefix} failed: {_scrubbed(exc, self.prefix)}") from None
 
+    def broadcast_(self, t: torch.Tensor, root: int = 0, timeout_s: float | None = None) -> None:
+        """``t`` of rank ``root`` into every member's ``t``, in place."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.timeout = self._bound(timeout_s)
+        self._run("broadcast", lambda: self.pg.broadcast([t], opts), self._nccl_wait(t, opts.timeout))
+
     def send(self, t: torch.Tensor, dst: int, tag: int = 0, timeout_s: float | None = None) -> None:
         self._run(f"send to {dst}", lambda: self.pg.send([t], dst, tag), self._bound(timeout_s))
 
@@ -800,6 +807,9 @@ class Communicator:
 
     def allreduce_work(self, t: torch.Tensor, timeout_s: float | None = None) -> dist.Work:
         return self.held().allreduce_work(t, timeout_s or self.backstop_s)
+
+    def broadcast_(self, t: torch.Tensor, root: int = 0, timeout_s: float | None = None) -> None:
+        self.held().broadcast_(t, root, timeout_s or self.backstop_s)
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0, timeout_s: float | None = None) -> None:
         self.held().send(t, dst, tag, timeout_s or self.backstop_s)

@@ -117,9 +117,30 @@ class Job:
         """``hook(old_world, new_world, plan)`` after a resize (see :meth:`UserLoop.on_resize`)."""
         self.loop.on_resize(hook)
 
-    def steps(self, loader: DataLoader[Any], total: int) -> Iterator[tuple[int, Any]]:
-        """``(step, batch)`` until ``total`` steps are done, failed steps redone."""
-        return self.loop.steps(loader, total)
+    def steps(
+        self, loader: DataLoader[Any], total: int, *, accumulate: bool = False
+    ) -> Iterator[tuple[int, Any]]:
+        """``(step, batch)`` until ``total`` steps are done, failed steps redone; with
+        ``accumulate=True`` the batch is the step's micro-batches
+        (:class:`~phalanx.runtime.loop.MicroBatches`)."""
+        return self.loop.steps(loader, total, accumulate=accumulate)
+
+    @property
+    def step_ok(self) -> bool:
+        """Whether the step in flight will commit (see :attr:`UserLoop.step_ok`): read
+        it after ``backward()`` to log a step's figures once."""
+        return self.loop.step_ok
+
+    @property
+    def lr_scale(self) -> float:
+        """The factor the job's LR rule applied to the tracked learning rates (1.0 while
+        the global batch is held)."""
+        return self.loop.lr_scale
+
+    @property
+    def effective_batch(self) -> int:
+        """The samples a step trains over all ranks in the current generation."""
+        return self.loop.effective_batch
 
     def report_loss(self, loss: float | torch.Tensor) -> None:
         """The loss of the step in flight of :meth:`steps`, kept with the step's record."""

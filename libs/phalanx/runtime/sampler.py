@@ -103,19 +103,23 @@ class ElasticSampler(Sampler[int]):
 
 
 def per_step(split: BatchPlan | None, batch_size: int, world: int) -> int:
-    """DataLoader batches per step and rank at ``world`` ranks: as many as hold the
-    job's global batch (``split.global_batch``, ``phalanx run --global-batch``) where
-    it is a whole multiple of ``batch_size x world`` (a shrunk job reads more per
-    rank), else 1 (the batch follows the world size).
+    """DataLoader batches (micro-batches) per step and rank at ``world`` ranks: as many
+    whole batches as fit the smallest share of the job's global batch in ``split``
+    (``phalanx run --global-batch``; capped by ``--micro-batch`` x ``--max-accum``), so a
+    shrunk job reads more per rank, and at least 1 (then the batch follows the world
+    size). The job's global batch is held where every share is a whole number of
+    batches: ``batch_size x world x per_step`` is the batch a step trains.
 
     >>> per_step(BatchPlan(global_batch=64, effective_batch=64, world_size=2, shards=[32, 32]), 16, 2)
     2
     >>> per_step(BatchPlan(global_batch=64, effective_batch=64, world_size=3, shards=[22, 21, 21]), 16, 3)
     1
+    >>> per_step(BatchPlan(global_batch=48, effective_batch=32, world_size=2, shards=[16, 16]), 4, 2)
+    4
     """
-    whole = split.global_batch if split is not None else 0
-    unit = batch_size * world
-    return whole // unit if unit and whole >= unit and whole % unit == 0 else 1
+    if split is None or split.world_size != world or not split.shards or batch_size < 1:
+        return 1
+    return max(1, min(split.shards) // batch_size)
 
 
 def concat(batches: list[Any]) -> Any:

@@ -115,6 +115,7 @@ class Server:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.pid = os.getpid()  # the server's: a child whose parent is another was orphaned
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -171,7 +172,6 @@ class Server:
         """In the forked worker: become it (the module doc), then run the script."""
         from phalanx.launcher.children import die_with_parent
 
-        server_pid = os.getppid()
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
@@ -181,7 +181,7 @@ class Server:
         os.close(self._wake_r)
         os.close(self._wake_w)
         die_with_parent()
-        if os.getppid() != server_pid:  # the server died before PDEATHSIG was set
+        if os.getppid() != self.pid:  # the server died before PDEATHSIG was set
             os._exit(1)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
