@@ -354,6 +354,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument(
+        "--ladder",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the user-loop port and the Trainer on the same MLP and fault",
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="1 trial each side, 1 pair, short runs (a smoke run)"
     )
     return ap

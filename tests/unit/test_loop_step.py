@@ -21,6 +21,7 @@ from phalanx.contract import Member, Plan
 from phalanx.runtime.comm import CommError, Communicator
 from phalanx.runtime.loop import MicroBatches, UserLoop, _roll_back, rescale_lrs, snapshot
 from phalanx.runtime.store import host_store
+from tests.unit.test_buckets import run_ranks
 
 JOIN_S = 60.0
 _plans = itertools.count()
@@ -92,24 +93,16 @@ def ranks(n: int, fn: Callable[[int, Communicator], Any]) -> list[Any]:
         store_prefix=f"test-loop-step/{next(_plans)}",
         store_addr=f"127.0.0.1:{store.port}",
     )
-    results: list[Any] = [None] * n
 
-    def body(r: int) -> None:
+    def body(r: int) -> Any:
         comm = Communicator(f"w{r}", plan.store_addr, backstop_s=JOIN_S)
         try:
             comm.configure(plan, cancelled=lambda: False, arrival_s=JOIN_S, connect_s=JOIN_S)
-            results[r] = fn(r, comm)
-        except BaseException as exc:
-            results[r] = exc
+            return fn(r, comm)
         finally:
             comm.release()
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(JOIN_S)
-    assert not any(t.is_alive() for t in threads), "a rank is still blocked"
+    results = run_ranks(n, body)
     for res in results:
         if isinstance(res, BaseException):
             raise res
