@@ -89,3 +89,11 @@ def test_workers_die_with_the_fork_server(tmp_path: Path) -> None:
         time.sleep(0.02)
     assert not alive(proc.pid), "a worker outlived its fork server"
     assert lost and "ended" in lost[0]
+
+
+def test_a_forked_workers_collector_does_not_walk_the_servers_objects(
+    forks: ForkServer, tmp_path: Path
+) -> None:
+    code = "import gc, sys; sys.exit(0 if gc.isenabled() and gc.get_freeze_count() > 100_000 else 1)"
+    proc, _ = _fork(forks, code, tmp_path)
+    assert proc.wait(30) == 0
