@@ -7,6 +7,10 @@ giving the lost rank's index to a hot spare (so the run stays bitwise equal to a
 fault-free one), shrinks when no spare is left and the job's minimum allows it,
 and otherwise stops the job with the reason -- it never leaves a job waiting.
 
+A job recovered by restart (an unmodified torchrun script) keeps its members when a
+process ends on a live node (``REFORM``: every member restarts in place, as torchrun's
+group restart); its spares go to ranks of lost nodes and hung processes.
+
 Spares are chosen by node: for a single lost rank, a spare on the same node
 first (that node has the rank's data shards prepared), then one on another live
 node; for a lost node, spares on the other nodes only.
@@ -27,7 +31,7 @@ from typing import Protocol
 
 from phalanx.services.elasticity_planner.decisions import Decision, Fault, largest_allowed, whole_groups
 
-from phalanx.contract import Action, JobState, Member
+from phalanx.contract import Action, JobState, Member, Recovery
 
 
 class FailurePolicy(Protocol):
@@ -84,6 +88,16 @@ class ReplaceOrShrink:
             )
         if plan is None or plan.rank_of(fault.worker) is None:
             return Decision(Action.HOLD, f"{fault.worker} is not a member of generation {state.generation}")
+        if state.spec.recovery is Recovery.RESTART and not fault.hung:
+            # A process of an unmodified script ended; its node, which reported the exit,
+            # still has the slot. Its peers die of the broken collective too: keeping
+            # the members (every one restarts) spends no spare on them, as torchrun
+            # restarts its group in place.
+            return Decision(
+                Action.REFORM,
+                f"{fault.worker} {fault.cause}: every member restarts in place (restart recovery)",
+                members=list(plan.members),
+            )
         return self._replace(
             state, [fault.worker], f"{fault.worker} {fault.cause}", state.node_of(fault.worker)
         )

@@ -392,7 +392,8 @@ def _unknown_job(event: ev.Event) -> list[Effect]:
 def _within_restarts(state: JobState, decision: Decision) -> Decision:
     """``decision`` counted against the job's ``max_restarts`` (torchrun's
     ``--max-restarts``): a recovery past the budget is a stop, whatever the policy said."""
-    if decision.action not in (Action.REPLACE, Action.SHRINK):
+    recovery = (Action.REPLACE, Action.SHRINK, Action.REFORM)  # a REFORM here: a fault's restart in place
+    if decision.action not in recovery:
         return decision
     budget = state.spec.max_restarts
     if 0 <= budget <= state.restarts:

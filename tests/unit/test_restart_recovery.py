@@ -181,3 +181,26 @@ def test_torchruns_spellings_of_its_flags_are_accepted() -> None:
     assert p["cmd"] == ("pkg.train", "--lr", "1")
     bad = CliRunner().invoke(run_command, ["--nproc-per-node", "1", "--standalone", "--nnodes", "2", "x.py"])
     assert bad.exit_code != 0 and "--standalone is a single-node job" in bad.output
+
+
+def test_a_restart_job_keeps_its_members_when_a_process_ends_on_a_live_node() -> None:
+    from phalanx.services.elasticity_planner.decisions import Fault
+    from phalanx.services.elasticity_planner.failure_policy import ReplaceOrShrink
+
+    from phalanx.contract import Member, Plan
+
+    spec = JobSpec(job="j", launcher="l", workers=["w0", "w1", "w2"], ranks=2, global_batch=8,
+                   recovery=Recovery.RESTART)  # fmt: skip
+    state = JobState(spec=spec, spares=["w2"])
+    members = [Member(rank=0, worker="w0"), Member(rank=1, worker="w1")]
+    state.plan = Plan(job="j", generation=1, members=members, reason="start", store_prefix="p")
+    exited = ReplaceOrShrink().on_fault(state, Fault("i1", "w1", "process_exit", False))
+    assert exited.action is Action.REFORM and exited.members == members and not exited.spares_used
+    hung = ReplaceOrShrink().on_fault(state, Fault("i2", "w1", "heartbeat_lost", True))
+    assert hung.action is not Action.REFORM  # a hung process may be its node's trouble: the spares' rule
+    in_process = JobState(spec=spec.model_copy(update={"recovery": Recovery.IN_PROCESS}), spares=["w2"])
+    in_process.plan = state.plan
+    assert (
+        ReplaceOrShrink().on_fault(in_process, Fault("i3", "w1", "process_exit", False)).action
+        is not Action.REFORM
+    )
