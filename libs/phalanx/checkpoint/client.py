@@ -8,6 +8,11 @@ catalog and reads from the fastest one that holds a good copy::
     ckpt = Checkpointer("j1")                      # node and worker from the launcher's env
     ckpt.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step)
     ...
+    ckpt.guard(opt)                                # overlapped saves: opt.step() fences them
+    ckpt.save_async({"model": model.state_dict(), "optimizer": opt.state_dict()}, step)
+    loss_fn(model(x), y).backward()                # runs beside the copy into the slot
+    opt.step()                                     # waits only for what is left of the copy
+    ...
     loaded = ckpt.load()                           # the newest complete checkpoint
     model.load_state_dict(loaded.state["model"])
     loaded.step, loaded.tier                       # 1200, "peer"
@@ -27,6 +32,7 @@ import errno
 import mmap
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,7 @@ import torch
 
 import phalanx.checkpoint.wire as wire
 from phalanx.checkpoint.manifest import Manifest
+from phalanx.checkpoint.overlap import Copier, PendingSave
 from phalanx.checkpoint.packing import Packing, unpack
 from phalanx.checkpoint.slots import SlotsBusy, SnapshotSlots, Written, node_name, shm_root
 from phalanx.settings import RankSettings, load
@@ -69,9 +76,27 @@ class Loaded:
     fetched_bytes: int = 0  # what the keeper read from the serving tier (0 from its own memory)
 
 
+def _check_step(step: int) -> None:
+    if type(step) is not int or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+
+
+def _tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (containers walked as :func:`~.packing.pack` walks them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth > 64:
+        return []
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v, depth + 1)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v, depth + 1)]
+    return []
+
+
 class Checkpointer:
     """``slots`` shared-memory buffers for this process's snapshots: the keeper holds the
-    newest ones it keeps in memory (``PHALANX_CKPT_KEEP_MEMORY``, 2) until newer ones
+    newest ones it keeps in memory (memory's ``last`` in ``PHALANX_CKPT_TIERS``, 2) until newer ones
     replace them, so ``slots`` must exceed that for every save to find a free one."""
 
     def __init__(
@@ -83,7 +108,11 @@ class Checkpointer:
         root: Path | None = None,
         slots: int = 3,
         timeout_s: float = 600.0,
+        copy_cpus: set[int] | None = None,
     ) -> None:
+        """``copy_cpus``: the cores the copier thread of :meth:`save_async` runs on (a CPU
+        state): cores the training thread does not use, or the copy only takes turns
+        with the step (default: wherever this process may run)."""
         self.job = job
         settings = load(RankSettings)
         self.node = node or settings.keeper_node or node_name()
@@ -93,6 +122,9 @@ class Checkpointer:
         self.timeout_s = timeout_s
         self.socket = str(self.root / self.node / "keeper.sock")
         self._slots: SnapshotSlots | None = None
+        self.copy_cpus = copy_cpus
+        self._copier: Copier | None = None
+        self._pending: PendingSave | None = None
         self.skipped = 0
         self.log = get_logger(component="checkpoint", job=job, worker=self.worker)
 
@@ -107,21 +139,73 @@ class Checkpointer:
         full: ENOSPC, or any other OSError): the training loop is never blocked, nor
         stopped, by it; the keeper is told and publishes a ``skipped`` CheckpointEvent.
         """
-        if type(step) is not int or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        _check_step(step)
+        self._settle()
         packing = Packing.of(state, torch.device("cpu"))
         try:
-            if self._slots is None:
-                self._slots = SnapshotSlots(self.root, self.node, self.job, self.worker, self.slot_count)
-            return self._slots.write(step, packing)
-        except SlotsBusy as exc:
-            self._skip(step, str(exc))
-        except OSError as exc:
-            # A slot that could not grow is half set up: the next save opens them afresh.
-            self.close()
-            code = errno.errorcode.get(exc.errno or 0, "OSError")
-            self._skip(step, f"{code}: {exc.strerror or exc} (shared memory {self.root})")
+            return self._open().write(step, packing)
+        except (SlotsBusy, OSError) as exc:
+            self._refused(step, exc)
         return None
+
+    def save_async(self, state: Any, step: int) -> PendingSave | None:
+        """Start saving ``state`` as checkpoint ``step`` and return at once: the copy into
+        the slot runs beside the next forward and backward (:mod:`~phalanx.checkpoint.overlap`).
+
+        Nothing may change the state in place until :meth:`PendingSave.fence` (or
+        :meth:`fence`) returns: call :meth:`guard` once with the optimizer and its
+        step fences every save. Tensors under 1 MiB (buffers a forward writes) are
+        copied before this returns. A save still in flight is finished first. None
+        (counted in ``skipped``, reported) when no slot can be had, as :meth:`save`.
+        """
+        _check_step(step)
+        self._settle()
+        started = time.perf_counter()
+        devices = {t.device for t in _tensors(state)}
+        target = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+        packing = Packing.of(state, target)
+        try:
+            slots = self._open()
+            claim = slots.claim(step, packing)
+        except (SlotsBusy, OSError) as exc:
+            self._refused(step, exc)
+            return None
+        if self._copier is None:
+            self._copier = Copier(slots, self.copy_cpus, self._skip)
+        self._pending = self._copier.start(step, packing, claim, started)
+        return self._pending
+
+    def fence(self) -> None:
+        """Return once the state may change: the save in flight (if any) is copied."""
+        pending = self._pending
+        if pending is not None:
+            pending.fence()
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` fence the save in flight first (a step pre-hook)."""
+        optimizer.register_step_pre_hook(lambda *_: self.fence())
+
+    def _settle(self) -> None:
+        """Finish the save in flight (fenced, published) before a slot is claimed again:
+        a slot being written reads as free to :meth:`SnapshotSlots.free_slot`."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.fence()
+            pending.result()
+
+    def _open(self) -> SnapshotSlots:
+        if self._slots is None:
+            self._slots = SnapshotSlots(self.root, self.node, self.job, self.worker, self.slot_count)
+        return self._slots
+
+    def _refused(self, step: int, exc: SlotsBusy | OSError) -> None:
+        if isinstance(exc, SlotsBusy):
+            self._skip(step, str(exc))
+            return
+        # A slot that could not grow is half set up: the next save opens them afresh.
+        self.close()
+        code = errno.errorcode.get(exc.errno or 0, "OSError")
+        self._skip(step, f"{code}: {exc.strerror or exc} (shared memory {self.root})")
 
     def _skip(self, step: int, reason: str) -> None:
         """Count and log a skipped save, and tell the keeper (it publishes the event),
@@ -149,11 +233,14 @@ class Checkpointer:
         ``save`` of a state this size pays for page faults (a fresh 1 GiB buffer costs
         about 20x a reused one). Call it once at start, off the critical path; returns
         the slots prepared."""
-        if self._slots is None:
-            self._slots = SnapshotSlots(self.root, self.node, self.job, self.worker, self.slot_count)
-        return self._slots.reserve(Packing.of(state, torch.device("cpu")))
+        return self._open().reserve(Packing.of(state, torch.device("cpu")))
 
     def close(self) -> None:
+        """Finish the save in flight, stop the copier and unmap the slots."""
+        self._settle()
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
         if self._slots is not None:
             self._slots.close()
             self._slots = None

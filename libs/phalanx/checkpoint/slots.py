@@ -203,6 +203,23 @@ class Written:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Claim:
+    """A slot :meth:`SnapshotSlots.claim` marked WRITING for snapshot ``step``."""
+
+    file: SlotFile
+    step: int
+    seq: int
+    offset: int  # of the data in the file
+    meta: bytes
+    size: int  # of the data
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The data area, as a uint8 tensor (a view of the mapping)."""
+        return self.file.tensor()[self.offset : self.offset + self.size]
+
+
 class SlotsBusy(RuntimeError):
     """Every slot still holds a snapshot the keeper has not released."""
 
@@ -291,6 +308,15 @@ class SnapshotSlots:
         not running): the caller decides whether to skip this snapshot.
         """
         started = time.perf_counter()
+        claim = self.claim(step, packing)
+        packing.copy_into(claim.data)
+        return self.publish(claim, started)
+
+    def claim(self, step: int, packing: Packing) -> Claim:
+        """A free slot sized for ``packing``, marked WRITING (the keeper reads nothing of
+        it until :meth:`publish`): its data area for the caller to fill, in one go
+        (:meth:`write`) or in pieces beside the next step (:mod:`~phalanx.checkpoint.overlap`).
+        :class:`SlotsBusy` when the keeper holds every slot."""
         i = self.free_slot()
         if i is None:
             raise SlotsBusy(f"all {self.count} snapshot slots of {self.worker} in {self.dir} are held")
@@ -299,14 +325,27 @@ class SnapshotSlots:
         old_seq = f.raw_seq()
         if old_seq:
             f.set_state(SlotState.WRITING)
-        seq = old_seq + 1
-        packing.copy_into(f.tensor()[off : off + packing.size])
-        f.map[_META_AT : _META_AT + len(packing.meta)] = packing.meta
+        return Claim(f, step, old_seq + 1, off, packing.meta, packing.size)
+
+    def publish(self, claim: Claim, started: float) -> Written:
+        """Mark a :meth:`claim` whose data is filled READY (its header last); returns what
+        was written, ``started`` being when the save began (``perf_counter``)."""
+        f, meta = claim.file, claim.meta
+        f.map[_META_AT : _META_AT + len(meta)] = meta
         _HEAD.pack_into(
-            f.map, 0, MAGIC, SlotState.WRITING, len(packing.meta), seq, step, off, packing.size, time.time()
+            f.map,
+            0,
+            MAGIC,
+            SlotState.WRITING,
+            len(meta),
+            claim.seq,
+            claim.step,
+            claim.offset,
+            claim.size,
+            time.time(),
         )
         f.set_state(SlotState.READY)  # last: the keeper reads nothing before this
-        return Written(f.path, step, seq, packing.size, time.perf_counter() - started)
+        return Written(f.path, claim.step, claim.seq, claim.size, time.perf_counter() - started)
 
     def close(self) -> None:
         for f in self.files.values():
