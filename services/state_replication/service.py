@@ -24,8 +24,12 @@ refused at start):
 - ``PHALANX_CKPT_DISK``, ``PHALANX_CKPT_SHARED``: the local-disk and shared file
   system tiers (a directory each; unset: no such tier), ``PHALANX_CKPT_OBJECT``:
   ``s3://bucket[/prefix]`` (with the usual ``AWS_*`` variables);
-- ``PHALANX_CKPT_KEEP_MEMORY`` / ``_DISK`` / ``_SHARED`` / ``_OBJECT``: retention,
-  ``N`` or ``last=N,every=M`` (defaults 2, 5, 5, 3);
+- ``PHALANX_CKPT_TIERS``: which checkpoints each tier takes and what it keeps, one
+  entry per tier, e.g. ``memory:every=50,last=2; disk:every=200,last=5;
+  object:every=1000,last=3,pin=10000`` (:class:`~phalanx.settings.TierPolicy`; unset:
+  every checkpoint to every configured tier, keeping memory 2, disk 5, shared 5,
+  object 3). A policy naming a tier this keeper lacks, a durable ``every`` that is not
+  a multiple of memory's, or any malformed entry is refused at start;
 - ``PHALANX_CKPT_FSYNC`` (1): fsync each file written to disk and shared tiers;
 - ``PHALANX_KEEPER_KEY`` or ``PHALANX_KEEPER_KEY_FILE`` (required, >= 32 bytes, the
   same on every node): the key keepers prove to each other before any replicate or
@@ -42,7 +46,11 @@ refused at start):
   a process of that uid (``SO_PEERCRED``), and gives the copies it writes for the job
   that group (the keeper is a member of each job's group, or root);
 - ``PHALANX_CKPT_RETRY_MAX_S`` (300): the longest wait between retries of a failed
-  tier write or catalog write (they start at 1 s and double).
+  tier write or catalog write (they start at 1 s and double);
+- ``PHALANX_KEEPER_REFRESH_S`` (5) and ``PHALANX_KEEPER_LOST_AFTER_S`` (30): how often
+  the keeper refreshes its registration in the catalog, and how old another's may get
+  (with nothing answering on its port) before its drains are taken over
+  (:mod:`phalanx.checkpoint.takeover`).
 """
 
 from __future__ import annotations
@@ -53,11 +61,12 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from phalanx.bus import Bus
+from phalanx.checkpoint.drainplan import DrainPlan
 from phalanx.checkpoint.keeper import Keeper
 from phalanx.checkpoint.keeperconfig import KeeperConfig
 from phalanx.checkpoint.peerauth import load_key
 from phalanx.checkpoint.slots import node_name, shm_root
-from phalanx.checkpoint.tiers import RetryPolicy, Tier
+from phalanx.checkpoint.tiers import RetryPolicy
 from phalanx.contract import Message, Plan, RecoveryDone
 from phalanx.contract.streams import COMMANDS, EVENTS
 from phalanx.contract.subjects import PLAN, RECOVERED
@@ -70,7 +79,7 @@ def keeper_config(node: str) -> KeeperConfig:
     """The keeper's configuration from the settings (``PHALANX_CKPT_*``, ``PHALANX_KEEPER_*``);
     :class:`~phalanx.settings.SettingsError` without a keeper key."""
     settings = load(KeeperSettings)
-    cfg = KeeperConfig(
+    return KeeperConfig(
         node=node,
         shm_root=shm_root(),
         disk_root=settings.ckpt_disk,
@@ -91,12 +100,18 @@ def keeper_config(node: str) -> KeeperConfig:
         max_fills=settings.keeper_max_fills,
         job_uids=settings.ckpt_job_uids,
         retry=RetryPolicy(max_s=settings.ckpt_retry_max_s),
+        refresh_s=settings.keeper_refresh_s,
+        lost_after_s=settings.keeper_lost_after_s,
+        tier_policy=settings.tier_policy,  # retention: the policy's (KeeperConfig.__post_init__)
+        drain=DrainPlan.parse(
+            settings.ckpt_drain,
+            settings.ckpt_rate,
+            nice=settings.keeper_drain_nice,
+            idle_io=settings.keeper_drain_idle_io,
+            object_part_bytes=settings.ckpt_object_part_bytes,
+            object_concurrency=settings.ckpt_object_concurrency,
+        ),
     )
-    for tier in Tier:
-        retention = getattr(settings, f"ckpt_keep_{tier.name.lower()}")
-        if retention is not None:
-            cfg.retention[tier] = retention
-    return cfg
 
 
 @dataclass

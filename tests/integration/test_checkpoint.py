@@ -23,12 +23,14 @@ from nats.aio.msg import Msg
 from phalanx.bus import Bus
 from phalanx.checkpoint import Checkpointer, ManifestError, NoCheckpoint, RetentionPolicy, Tier
 from phalanx.checkpoint.catalog import Catalog
+from phalanx.checkpoint.drainplan import DrainPlan
 from phalanx.checkpoint.keeper import Keeper
 from phalanx.checkpoint.keeperconfig import KeeperConfig
 from phalanx.checkpoint.tiers import ObjectTier, step_key
 from phalanx.contract import CheckpointEvent, decode
 from phalanx.contract.subjects import CHECKPOINT
 from phalanx.devstack.s3server import S3Server
+from phalanx.settings import TierPolicy
 
 JOB = "ckj"
 KEY = secrets.token_bytes(32)  # the cluster's keeper key (phalanx.checkpoint.peerauth)
@@ -381,3 +383,43 @@ async def test_a_snapshot_is_not_read_as_a_dcp_checkpoint(cluster: Cluster) -> N
     await cluster.settle()
     with pytest.raises(ValueError, match="is a Phalanx snapshot, not a DCP checkpoint"):
         await in_thread(lambda: TieredReader(JOB, checkpointer=rank))
+
+
+async def test_the_drain_lanes_run_side_by_side_each_tier_paced_to_its_cap(cluster: Cluster) -> None:
+    """The object copy streams beside disk-then-shared; the disk's cap (1 MB/s for a
+    checkpoint of ~2 MB) paces its writes (the event says how long), and the object
+    copy, in the other lane, does not wait for it."""
+    plan = DrainPlan.parse("object | disk, shared", "disk=1M")
+    await cluster.keeper("n1", drain=plan, replicas=0)
+    rank = cluster.rank("n1")
+    assert await in_thread(rank.save, state_at(1, mib=2), 1) is not None
+    await cluster.settle()
+    done = {e.tier: e for e in cluster.events if e.state == "complete" and e.step == 1}
+    assert set(done) >= {"memory", "disk", "shared", "object"}
+    assert done["disk"].detail.startswith("paced ")
+    assert float(done["disk"].detail.split()[1]) > 0.5
+    assert not done["object"].detail  # no cap on its lane
+    order = [e.tier for e in cluster.events if e.state == "complete" and e.step == 1]
+    assert order.index("object") < order.index("disk") < order.index("shared")
+
+
+async def test_a_real_keeper_drains_each_step_only_to_the_tiers_its_policy_names(cluster: Cluster) -> None:
+    """memory every step, disk every 2nd, shared every 4th, object every 4th keeping 1:
+    after steps 1..8 each tier holds what the policy says, and the memory copies of
+    the steps no durable tier takes are released by memory's retention alone."""
+    policy = TierPolicy.parse("memory:last=2; disk:every=2,last=2; shared:every=4; object:every=4,last=1")
+    await cluster.keeper("n1", tier_policy=policy, replicas=0)
+    rank = cluster.rank("n1")
+    for step in range(1, 9):
+        assert await in_thread(rank.save, state_at(step, mib=1), step) is not None
+        await cluster.settle()
+    assert complete(cluster, "disk") == [2, 4, 6, 8]
+    assert complete(cluster, "shared") == [4, 8]
+    assert complete(cluster, "object") == [4, 8]
+    keeper = cluster.keepers["n1"]
+    held = {
+        tier: sorted(m.step for m in await in_thread(store.manifests, JOB))
+        for tier, store in keeper.stores.items()
+    }
+    assert held == {Tier.DISK: [6, 8], Tier.SHARED: [4, 8], Tier.OBJECT: [8]}
+    assert sorted(s for j, s in keeper.memory if j == JOB) == [7, 8]

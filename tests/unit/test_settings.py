@@ -25,6 +25,7 @@ from phalanx.settings import (
     RetentionPolicy,
     SchedulerSignalSettings,
     SettingsError,
+    TierPolicy,
     env_name,
     load,
     load_or_exit,
@@ -72,7 +73,8 @@ def test_defaults() -> None:
         1,
         True,
     )
-    assert (k.ckpt_job_uids, k.ckpt_keep_disk) == ({}, None)
+    assert (k.ckpt_job_uids, k.ckpt_tiers, k.tier_policy) == ({}, None, TierPolicy())
+    assert r.ckpt_snapshot_every is None
     c = load(CliSettings)
     assert (c.log_level, c.span_file, c.stream_replicas) == (None, Path(".phalanx/spans.jsonl"), 1)
     assert (c.nats_user, c.nats_password.get_secret_value()) == (None, "")
@@ -139,12 +141,15 @@ def test_durations_set_in_ms_are_read_in_seconds_once(monkeypatch: pytest.Monkey
 
 
 def test_structured_values_are_parsed_once_by_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PHALANX_CKPT_KEEP_DISK", "last=2,every=100")
+    monkeypatch.setenv("PHALANX_CKPT_DISK", "/var/lib/phalanx/ckpt")
+    monkeypatch.setenv("PHALANX_CKPT_TIERS", "memory:every=50; disk:every=100,last=2,pin=1000")
     monkeypatch.setenv("PHALANX_CKPT_JOB_UIDS", "a=1001, b=1002")
     monkeypatch.setenv("PHALANX_FAULTS", "kill:w1@step=3")
     k = load(KeeperSettings)
-    assert (k.ckpt_keep_disk, k.ckpt_job_uids) == (RetentionPolicy(2, 100), {"a": 1001, "b": 1002})
-    assert load(RankSettings).faults == (Fault("kill", "w1", "step", 3),)
+    assert k.ckpt_tiers is not None and k.ckpt_tiers.retention()["disk"] == RetentionPolicy(2, 1000)
+    assert k.ckpt_job_uids == {"a": 1001, "b": 1002}
+    r = load(RankSettings)
+    assert (r.faults, r.ckpt_snapshot_every) == ((Fault("kill", "w1", "step", 3),), 50)
 
 
 @pytest.mark.parametrize("bad", ["-1", "lots"])
@@ -167,7 +172,9 @@ def test_each_numeric_knob_refuses_a_negative_or_malformed_value(
         (RankSettings, "PHALANX_ROLE", "leader"),
         (CliSettings, "PHALANX_LOG_LEVEL", "LOUD"),
         (KeeperSettings, "PHALANX_CKPT_FSYNC", "maybe"),
-        (KeeperSettings, "PHALANX_CKPT_KEEP_DISK", "last=0"),
+        (KeeperSettings, "PHALANX_CKPT_TIERS", "disk:last=0"),
+        (KeeperSettings, "PHALANX_CKPT_TIERS", "object:last=3"),  # no PHALANX_CKPT_OBJECT
+        (RankSettings, "PHALANX_CKPT_TIERS", "memory:every=0"),
         (KeeperSettings, "PHALANX_CKPT_JOB_UIDS", "a=x"),
         (RankSettings, "PHALANX_FAULTS", "explode:w0"),
         (PlannerSettings, "PHALANX_METRICS_PORT", "70000"),
@@ -275,7 +282,7 @@ def test_a_service_refuses_to_start_on_a_bad_setting() -> None:
 
 def test_the_keeper_refuses_to_start_on_a_bad_setting_of_its_own() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-    env["PHALANX_CKPT_KEEP_DISK"] = "last=0"
+    env["PHALANX_CKPT_TIERS"] = "disk:last=0"
     proc = subprocess.run(
         [sys.executable, "-m", "phalanx.services.state_replication"],
         env=env,
@@ -284,7 +291,7 @@ def test_the_keeper_refuses_to_start_on_a_bad_setting_of_its_own() -> None:
         timeout=60,
     )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("state-replication: bad setting: PHALANX_CKPT_KEEP_DISK='last=0'")
+    assert proc.stderr.startswith("state-replication: bad setting: PHALANX_CKPT_TIERS='disk:last=0'")
     assert proc.stderr.count("\n") == 1
 
 

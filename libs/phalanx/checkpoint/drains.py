@@ -1,11 +1,16 @@
-"""Propagating a checkpoint from this node: replicated to peers while it drains, one
-checkpoint at a time, to ``disk``, then ``shared``, then ``object`` (each configured),
-with each tier's retention applied after; a tier that fails is retried with backoff."""
+"""Propagating a checkpoint from this node: replicated to peers while it drains to the
+durable tiers its step goes to (:meth:`KeeperConfig.drain_tiers`), in the lanes of
+:class:`~phalanx.checkpoint.drainplan.DrainPlan` -- by default the object store
+streamed from the memory copy beside the disk and then the shared path -- each lane one
+checkpoint at a time, in threads of lower priority, each tier paced to its rate cap;
+each tier's retention is applied after its copy; a tier that fails is retried with
+backoff."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from opentelemetry import trace
@@ -17,7 +22,7 @@ from phalanx.checkpoint.keepertasks import KeeperTasks
 from phalanx.checkpoint.manifest import Manifest
 from phalanx.checkpoint.record import Recorder
 from phalanx.checkpoint.replication import Replicator
-from phalanx.checkpoint.tiers import DRAIN_ORDER, Tier
+from phalanx.checkpoint.tiers import Tier
 
 tracer = trace.get_tracer("phalanx.checkpoint")
 
@@ -34,7 +39,11 @@ class Drains:
     ) -> None:
         self.cfg, self.holdings, self.replicator = cfg, holdings, replicator
         self.rec, self.tasks, self.log = rec, tasks, log
-        self._lock = asyncio.Lock()  # one drain at a time: bounded interference with training
+        plan = cfg.drain
+        self._lanes = [asyncio.Lock() for _ in plan.lanes]  # one checkpoint per lane at a time
+        self._pool = ThreadPoolExecutor(
+            max_workers=len(plan.lanes), thread_name_prefix="keeper-drain", initializer=plan.lower_priority
+        )
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}
 
     def propagate(self, m: Manifest) -> None:
@@ -56,7 +65,7 @@ class Drains:
     async def resume(self, m: Manifest) -> None:
         """Finish the drain of ``m`` (on this node's disk) a previous keeper left unfinished."""
         missing = []
-        for tier in (Tier.SHARED, Tier.OBJECT):
+        for tier in (t for t in self.cfg.drain_tiers(m.step) if t in (Tier.SHARED, Tier.OBJECT)):
             store = self.holdings.stores.get(tier)
             if store is not None:
                 listed = await self.holdings.listed(store, m.job)
@@ -69,16 +78,17 @@ class Drains:
     async def propagate_now(
         self,
         m: Manifest,
-        tiers: tuple[Tier, ...] = DRAIN_ORDER,
+        tiers: tuple[Tier, ...] | None = None,
         replicate: bool = True,
         force: bool = False,
         attempt: int = 0,
     ) -> None:
-        """Replicate ``m`` and drain it to ``tiers`` in order. A tier that fails does not
-        stop the later ones; the failed ones are tried again after
-        :attr:`KeeperConfig.retry`'s backoff (``attempt``: how many times already)."""
-        failed: list[Tier] = []
-        holdings = self.holdings
+        """Replicate ``m`` and drain it to ``tiers`` (None: those its step goes to), the
+        lanes side by side. A tier that fails does not stop the later ones; the failed
+        ones are tried again after :attr:`KeeperConfig.retry`'s backoff (``attempt``:
+        how many times already)."""
+        todo = self.cfg.drain_tiers(m.step) if tiers is None else tiers
+        plan = self.cfg.drain
         with tracer.start_as_current_span("phalanx.checkpoint.propagate") as span:
             span.set_attribute("phalanx.job", m.job)
             span.set_attribute("phalanx.checkpoint.step", m.step)
@@ -88,33 +98,52 @@ class Drains:
                 if replicate
                 else None
             )
-            async with self._lock:
-                for tier in tiers:
-                    store = holdings.stores.get(tier)
-                    if store is None:
-                        continue
-                    if not force and await holdings.holds(store, m):
-                        continue  # already there (a keeper restarted after this drain)
-                    source = holdings.reader(m)
-                    if source is None:
-                        self.log.warning("drain_source_gone", job=m.job, step=m.step, tier=tier.value)
-                        failed.clear()  # nothing left here to drain from: no retry either
-                        break
-                    t0 = time.perf_counter()
-                    try:
-                        await asyncio.to_thread(store.put, m, source)
-                    except Exception as exc:
-                        await self.rec.note(m, tier, "failed", detail=repr(exc))
-                        failed.append(tier)
-                        continue  # a full disk does not keep the checkpoint from the shared and object tiers
-                    self.rec.counters["drained"] += 1
-                    await self.rec.note(m, tier, COMPLETE, seconds=time.perf_counter() - t0)
-                    await holdings.retain(m.job, tier)
+            lanes = [tuple(t for t in lane if t in todo) for lane in plan.lanes]
+            failed = await asyncio.gather(
+                *(self._lane(i, lane, m, force) for i, lane in enumerate(lanes) if lane)
+            )
             if replicas is not None:
                 await replicas
-            await holdings.retain(m.job, Tier.MEMORY)
-        if failed:
-            self._retry_later(m, tuple(failed), attempt, force)
+            await self.holdings.retain(m.job, Tier.MEMORY)
+        again = tuple(t for lane in failed for t in lane)
+        if again:
+            self._retry_later(m, again, attempt, force)
+
+    async def _lane(self, i: int, tiers: tuple[Tier, ...], m: Manifest, force: bool) -> list[Tier]:
+        """Drain ``m`` to ``tiers`` in order (lane ``i``, one checkpoint at a time);
+        returns the tiers that failed."""
+        failed: list[Tier] = []
+        holdings = self.holdings
+        async with self._lanes[i]:
+            for tier in tiers:
+                store = holdings.stores.get(tier)
+                if store is None:
+                    continue
+                if not force and await holdings.holds(store, m):
+                    continue  # already there (a keeper restarted after this drain)
+                source = holdings.reader(m)
+                if source is None:
+                    self.log.warning("drain_source_gone", job=m.job, step=m.step, tier=tier.value)
+                    return []  # nothing left here to drain from: no retry either
+                throttle = self.cfg.drain.throttle(tier)
+                t0 = time.perf_counter()
+                try:
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._pool, store.put, m, source, None if throttle is None else throttle.pace
+                    )
+                except Exception as exc:
+                    await self.rec.note(m, tier, "failed", detail=repr(exc))
+                    failed.append(tier)
+                    continue  # a full disk does not keep the checkpoint from the later tiers
+                self.rec.counters["drained"] += 1
+                paced = f"paced {throttle.slept_s:.2f} s" if throttle is not None and throttle.slept_s else ""
+                await self.rec.note(m, tier, COMPLETE, seconds=time.perf_counter() - t0, detail=paced)
+                await holdings.retain(m.job, tier)
+        return failed
+
+    def close(self) -> None:
+        """Stop the drain threads (what they run is abandoned: a restart resumes it)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _retry_later(self, m: Manifest, tiers: tuple[Tier, ...], attempt: int, force: bool) -> None:
         if self.cfg.retry.gives_up(attempt + 1):

@@ -28,7 +28,11 @@ class Holdings:
         if cfg.shared_root is not None:
             self.stores[Tier.SHARED] = DirTier(Tier.SHARED, cfg.shared_root, fsync=cfg.fsync)
         if cfg.object_url:
-            self.stores[Tier.OBJECT] = ObjectTier(cfg.object_url)
+            self.stores[Tier.OBJECT] = ObjectTier(
+                cfg.object_url,
+                part_bytes=cfg.drain.object_part_bytes,
+                concurrency=cfg.drain.object_concurrency,
+            )
 
     async def listed(self, store: Store, job: str) -> list[Manifest] | None:
         """The manifests of ``job`` in ``store``; None (logged) when it cannot be listed:
@@ -98,6 +102,13 @@ class Holdings:
 
     # -- retention -------------------------------------------------------------------------
     async def retain(self, job: str, tier: Tier) -> None:
+        """Drop what ``tier``'s retention (:attr:`KeeperConfig.retention`) no longer keeps
+        of ``job``. A memory copy goes only once a durable copy exists, unless its step is
+        one no durable tier takes (:meth:`KeeperConfig.drain_tiers`: ``disk:every=200``
+        and step 150): that one is released by memory's retention alone, since newer
+        checkpoints (``last``) are complete in memory. So memory holds its ``last`` and,
+        besides, each durable-bound checkpoint not yet durable: the newest durable-bound
+        checkpoint is never released before it is durable."""
         policy = self.cfg.retention.get(tier)
         if policy is None:
             return
@@ -105,9 +116,13 @@ class Holdings:
             memory = self.shm.copies
             held = sorted(s for (j, s) in memory if j == job)
             for step in policy.expired(held):
-                mem = memory[(job, step)]
-                if not await self._durable_elsewhere(mem.manifest):
-                    continue  # nothing else holds it yet: keep it in memory
+                mem = memory.get((job, step))
+                if mem is None:
+                    continue  # released meanwhile (an operator's removal)
+                if self.cfg.drain_tiers(step) and not await self._durable_elsewhere(mem.manifest):
+                    continue  # bound for a durable tier that does not hold it yet: keep it in memory
+                if memory.get((job, step)) is not mem:
+                    continue  # released (or replaced) while the catalog was asked
                 del memory[(job, step)]
                 self.shm.release(mem)
                 await self.rec.note(mem.manifest, Tier.MEMORY, "deleted")

@@ -6,9 +6,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from phalanx.checkpoint.drainplan import DrainPlan
 from phalanx.checkpoint.manifest import job_of
-from phalanx.checkpoint.tiers import RetryPolicy, Tier
-from phalanx.settings import RetentionPolicy
+from phalanx.checkpoint.tiers import DRAIN_ORDER, RetryPolicy, Tier
+from phalanx.settings import RetentionPolicy, TierPolicy
 
 
 @dataclass
@@ -21,14 +22,12 @@ class KeeperConfig:
     host: str = "127.0.0.1"  # where peers reach this keeper (TCP)
     port: int = 0
     replicas: int = 1
-    retention: dict[Tier, RetentionPolicy] = field(
-        default_factory=lambda: {
-            Tier.MEMORY: RetentionPolicy(2),
-            Tier.DISK: RetentionPolicy(5),
-            Tier.SHARED: RetentionPolicy(5),
-            Tier.OBJECT: RetentionPolicy(3, 0),
-        }
-    )
+    tier_policy: TierPolicy = field(default_factory=TierPolicy)
+    """Which checkpoints go to which tier and what each keeps (``PHALANX_CKPT_TIERS``);
+    it may name only tiers configured here. Default: every checkpoint to every tier."""
+    retention: dict[Tier, RetentionPolicy] = field(default_factory=dict)
+    """What each tier keeps: left empty, :attr:`tier_policy`'s (memory 2, disk 5, shared
+    5, object 3 by default); a tier missing from a dict given keeps everything."""
     scan_s: float = 0.05
     fsync: bool = True
     connect_timeout_s: float = 2.0
@@ -47,6 +46,31 @@ class KeeperConfig:
     runs as the keeper's own uid (one uid for everything)."""
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     """Failed tier writes and catalog writes are retried with this backoff."""
+    drain: DrainPlan = field(default_factory=DrainPlan)
+    """Lanes, rates and priority of the drains (:mod:`phalanx.checkpoint.drainplan`)."""
+    refresh_s: float = 5.0
+    """How often the keeper refreshes its ``=keeper`` registration and looks for drains
+    to take over (:mod:`phalanx.checkpoint.takeover`)."""
+    lost_after_s: float = 30.0
+    """A keeper whose registration is older than this (and that does not answer a TCP
+    connect) is lost: its unfinished drains are taken over. Several ``refresh_s``."""
+
+    def __post_init__(self) -> None:
+        self.tier_policy.check(self.durable_tiers)
+        if not self.retention:
+            self.retention = {Tier(t): r for t, r in self.tier_policy.retention().items()}
+
+    @property
+    def durable_tiers(self) -> tuple[Tier, ...]:
+        """The durable tiers configured here, in drain order."""
+        roots = {Tier.DISK: self.disk_root, Tier.SHARED: self.shared_root, Tier.OBJECT: self.object_url}
+        return tuple(t for t in DRAIN_ORDER if roots[t])
+
+    def drain_tiers(self, step: int) -> tuple[Tier, ...]:
+        """The configured durable tiers a checkpoint of ``step`` drains to, in drain order
+        (:meth:`TierPolicy.tiers_for`); empty: it stays in memory only, released by memory's
+        retention alone (:meth:`Holdings.retain`)."""
+        return tuple(Tier(t) for t in self.tier_policy.tiers_for(step, self.durable_tiers))
 
     @property
     def node_dir(self) -> Path:

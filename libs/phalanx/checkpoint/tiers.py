@@ -44,6 +44,7 @@ class Tier(StrEnum):
 
 DRAIN_ORDER = (Tier.DISK, Tier.SHARED, Tier.OBJECT)
 ReadFile = Callable[[str], memoryview]  # a file of the checkpoint, by name
+Pace = Callable[[int], None]  # called after each piece written, with its bytes (a Throttle's pace)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class Store(Protocol):
     tier: Tier
     location: str
 
-    def put(self, manifest: Manifest, read: ReadFile) -> None: ...
+    def put(self, manifest: Manifest, read: ReadFile, pace: Pace | None = None) -> None: ...
     def manifests(self, job: str) -> list[Manifest]: ...
     def read_into(self, manifest: Manifest, name: str, into: memoryview, at: int = 0) -> None: ...
     def delete(self, job: str, step: int) -> None: ...
@@ -101,7 +102,8 @@ class DirTier:
     def path(self, job: str, step: int) -> Path:
         return self.root / job / step_key(step)
 
-    def put(self, manifest: Manifest, read: ReadFile) -> None:
+    def put(self, manifest: Manifest, read: ReadFile, pace: Pace | None = None) -> None:
+        """Write a copy (``read`` gives each file's bytes), ``pace`` called after each piece."""
         job_dir = self.root / manifest.job
         job_dir.mkdir(parents=True, exist_ok=True)
         tmp = job_dir / f".partial-{step_key(manifest.step)}-{uuid.uuid4().hex[:8]}"
@@ -113,6 +115,8 @@ class DirTier:
                 with open(dst, "wb") as out:
                     for piece in _chunks(read(f.name)):
                         out.write(piece)
+                        if pace is not None:
+                            pace(len(piece))
                     out.flush()
                     if self.fsync:
                         os.fsync(out.fileno())  # this file only: DCP's sync_files calls a machine-wide sync()
@@ -217,6 +221,13 @@ class DirTier:
         return n
 
 
+def _paced(pieces: Iterator[memoryview], pace: Pace | None) -> Iterator[memoryview]:
+    for piece in pieces:
+        if pace is not None:
+            pace(len(piece))  # before handing it over: the upload is what is paced
+        yield piece
+
+
 def _fsync_dir(d: Path) -> None:
     fd = os.open(d, os.O_RDONLY)
     try:
@@ -230,13 +241,17 @@ class ObjectTier:
 
     ``url`` is ``s3://bucket[/prefix]``; credentials, region and endpoint come from
     the usual ``AWS_*`` variables (``AWS_ENDPOINT_URL`` for a non-AWS server), or
-    ``endpoint``. :meth:`read_into` fetches each object once, in ranges of
-    ``part_bytes`` written straight into the destination (``bytes_read`` counts them).
+    ``endpoint``. :meth:`put` streams each file from where it lies (the keeper's
+    memory copy) as a multipart upload of ``part_bytes`` parts, ``concurrency`` at
+    once; :meth:`read_into` fetches each object once, in ranges of ``part_bytes``
+    written straight into the destination (``bytes_read`` counts them).
     """
 
     tier = Tier.OBJECT
 
-    def __init__(self, url: str, *, endpoint: str | None = None, part_bytes: int = 16 << 20) -> None:
+    def __init__(
+        self, url: str, *, endpoint: str | None = None, part_bytes: int = 16 << 20, concurrency: int = 8
+    ) -> None:
         from obstore.store import S3Store
 
         parsed = urlparse(url)
@@ -249,13 +264,16 @@ class ObjectTier:
             config["endpoint"] = endpoint
         client: dict[str, Any] = {"allow_http": True} if endpoint and endpoint.startswith("http:") else {}
         self.store = S3Store.from_url(url, config=config or None, client_options=client or None)  # type: ignore[arg-type]
-        self.part_bytes = part_bytes
+        self.part_bytes, self.concurrency = part_bytes, concurrency
         self.bytes_read = 0
 
     def _key(self, job: str, step: int, name: str) -> str:
         return f"{job}/{step_key(step)}/{name}"
 
-    def put(self, manifest: Manifest, read: ReadFile) -> None:
+    def put(self, manifest: Manifest, read: ReadFile, pace: Pace | None = None) -> None:
+        """Each file, then the manifest (the copy is complete once it is there). A file
+        larger than a part goes up in parts read from ``read``'s buffer as the upload
+        asks for them (no copy of the whole file); ``pace`` after each part."""
         import obstore
 
         for f in manifest.files:
@@ -263,9 +281,9 @@ class ObjectTier:
             obstore.put(
                 self.store,
                 self._key(manifest.job, manifest.step, f.name),
-                _chunks(data, self.part_bytes) if len(data) > self.part_bytes else bytes(data),
+                _paced(_chunks(data, self.part_bytes), pace) if len(data) > self.part_bytes else bytes(data),
                 chunk_size=self.part_bytes,
-                max_concurrency=4,
+                max_concurrency=self.concurrency,
             )
         obstore.put(self.store, self._key(manifest.job, manifest.step, MANIFEST_NAME), manifest.encode())
 

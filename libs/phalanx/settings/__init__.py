@@ -27,8 +27,9 @@ names (``PHALANX_HEARTBEAT_MS``); a duration set in ms is read in seconds throug
 property (``heartbeat_interval_s``), the one conversion, and travels in seconds from there.
 
 This package imports only :mod:`phalanx.contract` and pydantic: the grammars of the
-structured values (retention, fault plans, job uids) live in :mod:`phalanx.settings.parsing`
-and the checkpoint tiers and the fault injector take them from there.
+structured values (the checkpoint tier policy, fault plans, job uids) live in
+:mod:`phalanx.settings.parsing` and the checkpoint tiers and the fault injector take
+them from there.
 """
 
 from phalanx.settings.cli import CliSettings
@@ -45,7 +46,16 @@ from phalanx.settings.detector import DetectorSettings
 from phalanx.settings.keeper import KeeperSettings
 from phalanx.settings.launcher import LauncherSettings
 from phalanx.settings.loading import PhalanxSettings, SettingsError, env_name, load, load_or_exit
-from phalanx.settings.parsing import Fault, RetentionPolicy, parse_faults, parse_job_uids
+from phalanx.settings.parsing import (
+    Fault,
+    RetentionPolicy,
+    TierPolicy,
+    TierRule,
+    parse_drain_lanes,
+    parse_faults,
+    parse_job_uids,
+    parse_rates,
+)
 from phalanx.settings.planner import PlannerSettings
 from phalanx.settings.rank import RankSettings
 from phalanx.settings.scheduler import SchedulerSignalSettings
@@ -81,9 +91,13 @@ __all__ = [
     "SettingsError",
     "StreamSettings",
     "TelemetrySettings",
+    "TierPolicy",
+    "TierRule",
     "env_name",
     "load",
     "load_or_exit",
+    "parse_drain_lanes",
     "parse_faults",
     "parse_job_uids",
+    "parse_rates",
 ]

@@ -5,23 +5,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field, SecretStr
+from pydantic import BeforeValidator, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import NoDecode
 
 from phalanx.settings.common import NodeSettings, ServiceSettings
-from phalanx.settings.parsing import RetentionPolicy, parse_job_uids
+from phalanx.settings.parsing import TierPolicy, parse_drain_lanes, parse_job_uids, parse_rates
 
 
-def _retention(value: Any) -> Any:
-    return RetentionPolicy.parse(value) if isinstance(value, str) else value
+def _tier_policy(value: Any) -> Any:
+    return TierPolicy.parse(value) if isinstance(value, str) else value
 
 
 def _job_uids(value: Any) -> Any:
     return parse_job_uids(value) if isinstance(value, str) else value
 
 
-Retention = Annotated[RetentionPolicy | None, NoDecode, BeforeValidator(_retention)]
-"""``N`` or ``last=N,every=M``, parsed once here (:meth:`RetentionPolicy.parse`)."""
+Tiers = Annotated[TierPolicy | None, NoDecode, BeforeValidator(_tier_policy)]
+"""``tier:every=N,last=N,pin=M; ...``, parsed once here (:meth:`TierPolicy.parse`)."""
 
 
 class KeeperSettings(ServiceSettings, NodeSettings):
@@ -40,12 +40,31 @@ class KeeperSettings(ServiceSettings, NodeSettings):
     ckpt_object: str | None = Field(
         default=None, description="The object store tier, s3://bucket/prefix (unset: none)."
     )
-    ckpt_keep_memory: Retention = Field(
-        default=None, description="Retention of the memory tier: N or last=N,every=M."
+    ckpt_tiers: Tiers = Field(
+        default=None,
+        description="Which checkpoints each tier takes and keeps, tier:every=N,last=N,pin=M; ..."
+        " (unset: every checkpoint to every configured tier, keeping memory 2, disk 5, shared 5, object 3).",
     )
-    ckpt_keep_disk: Retention = Field(default=None, description="Retention of the disk tier.")
-    ckpt_keep_shared: Retention = Field(default=None, description="Retention of the shared tier.")
-    ckpt_keep_object: Retention = Field(default=None, description="Retention of the object tier.")
+    ckpt_drain: str = Field(
+        default="object | disk, shared",
+        description="Drain lanes: tiers of a lane in order (','), lanes side by side ('|');"
+        " each of disk, shared, object once.",
+    )
+    ckpt_rate: str = Field(
+        default="", description="Bytes/s cap per tier while draining, tier=N[K|M|G],... (unset: none)."
+    )
+    ckpt_object_part_bytes: int = Field(
+        default=16 << 20, ge=5 << 20, description="Part size of the object tier's multipart uploads."
+    )
+    ckpt_object_concurrency: int = Field(
+        default=8, ge=1, le=64, description="Parts of one object uploaded at once."
+    )
+    keeper_drain_nice: int = Field(
+        default=10, ge=0, le=19, description="Niceness added to the keeper's drain threads (restores keep 0)."
+    )
+    keeper_drain_idle_io: bool = Field(
+        default=True, description="Run the keeper's drain threads in the idle IO class."
+    )
     keeper_key: SecretStr | None = Field(
         default=None,
         description="The cluster's keeper key (>= 32 bytes, the same on every node): keepers prove it to each other.",
@@ -86,3 +105,48 @@ class KeeperSettings(ServiceSettings, NodeSettings):
     ckpt_retry_max_s: float = Field(
         default=300.0, gt=0, description="Longest wait between retries of a failed tier or catalog write."
     )
+    keeper_refresh_s: float = Field(
+        default=5.0, gt=0, description="How often a keeper refreshes its registration in the catalog."
+    )
+    keeper_lost_after_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A keeper whose registration is older than this and that does not answer on its"
+        " port is lost: a keeper holding its replicas finishes their drains.",
+    )
+
+    @field_validator("keeper_lost_after_s")
+    @classmethod
+    def _lost_after_refresh(cls, lost_after: float, info: ValidationInfo) -> float:
+        """Several refresh periods: a live keeper must not look lost between two refreshes."""
+        refresh = info.data.get("keeper_refresh_s")
+        if refresh is not None and lost_after <= refresh:
+            raise ValueError(f"must exceed PHALANX_KEEPER_REFRESH_S ({refresh:g}), by several periods")
+        return lost_after
+
+    @field_validator("ckpt_drain")
+    @classmethod
+    def _lanes(cls, text: str) -> str:
+        parse_drain_lanes(text)
+        return text
+
+    @field_validator("ckpt_rate")
+    @classmethod
+    def _rates(cls, text: str) -> str:
+        parse_rates(text)
+        return text
+
+    @field_validator("ckpt_tiers")
+    @classmethod
+    def _tiers_configured(cls, policy: TierPolicy | None, info: ValidationInfo) -> TierPolicy | None:
+        """The policy names only tiers this keeper has (``ckpt_disk`` and the others are
+        declared, so validated, before it; one that failed is left to its own error)."""
+        if policy is not None:
+            fields = {"disk": "ckpt_disk", "shared": "ckpt_shared", "object": "ckpt_object"}
+            policy.check(t for t, f in fields.items() if f not in info.data or info.data[f])
+        return policy
+
+    @property
+    def tier_policy(self) -> TierPolicy:
+        """:attr:`ckpt_tiers`, or the default policy where it is unset."""
+        return self.ckpt_tiers or TierPolicy()

@@ -16,11 +16,15 @@ from phalanx.settings.common import (
     NodeSettings,
     TelemetrySettings,
 )
-from phalanx.settings.parsing import Fault, parse_faults
+from phalanx.settings.parsing import Fault, TierPolicy, parse_faults
 
 
 def _faults(value: Any) -> Any:
     return parse_faults(value) if isinstance(value, str) else value
+
+
+def _tier_policy(value: Any) -> Any:
+    return TierPolicy.parse(value) if isinstance(value, str) else value
 
 
 class RankSettings(NatsSettings, TelemetrySettings, HeartbeatSettings, NodeSettings):
@@ -74,6 +78,10 @@ class RankSettings(NatsSettings, TelemetrySettings, HeartbeatSettings, NodeSetti
     keeper_node: str | None = Field(
         default=None, description="The keeper's node, where it differs from node."
     )
+    ckpt_tiers: Annotated[TierPolicy | None, NoDecode, BeforeValidator(_tier_policy)] = Field(
+        default=None,
+        description="The node's tier policy (the keeper's); a rank reads memory's every, its snapshot interval.",
+    )
 
     # --- fault injection (tests, demo, benchmarks) -------------------------------------------
     faults: Annotated[tuple[Fault, ...], NoDecode, BeforeValidator(_faults)] = Field(
@@ -82,6 +90,12 @@ class RankSettings(NatsSettings, TelemetrySettings, HeartbeatSettings, NodeSetti
     fault_log: Path | None = Field(
         default=None, description="Each fault struck is appended here as a JSON line."
     )
+
+    @property
+    def ckpt_snapshot_every(self) -> int | None:
+        """Steps between a rank's snapshots as ``PHALANX_CKPT_TIERS`` says (memory's
+        ``every``); None where it does not say (the job's ``checkpoint(every)`` stands)."""
+        return self.ckpt_tiers.snapshot_every if self.ckpt_tiers is not None else None
 
     @property
     def collective_floor_s(self) -> float:
