@@ -27,7 +27,8 @@ COMMANDS = _commands(cli)
 def test_the_commands_operators_expect_are_there() -> None:
     names = {path for path, _ in COMMANDS}
     for expected in ("up", "run", "status", "report", "trace summary", "cluster offer", "cluster reclaim",
-                     "cluster show", "nats", "service", "health"):  # fmt: skip
+                     "cluster show", "nats", "service", "health", "ckpt list", "ckpt show",
+                     "ckpt rm"):  # fmt: skip
         assert f"phalanx {expected}" in names
 
 
@@ -60,6 +61,8 @@ def test_help_renders(path: str, command: click.Command, capsys: pytest.CaptureF
         (["run", "--nproc", "2", "--lr-rule", "cubic", "--", "python", "t.py"], "'cubic' is not one of"),
         (["run", "--nproc", "2", "--max-accum", "2", "--", "python", "t.py"], "max_accum needs micro_batch"),
         (["status", "--interval", "0"], "0 is not in the range x>=0.2"),
+        (["ckpt", "rm", "a.b", "1"], "'a.b' is not a job name"),
+        (["ckpt", "show", "j", "--", "-1"], "-1 is not in the range x>=0"),
         (["nosuch"], "No such command"),
     ],
 )

@@ -8,10 +8,14 @@ What it does with a snapshot a rank left in a shared-memory slot
 2. **replicate** it to ``replicas`` keepers on other nodes over TCP (their
    addresses are in the catalog), each of which verifies the checksums and keeps
    it in its own shared memory: losing this node loses no checkpoint;
-3. **drain** it, one checkpoint at a time, to ``disk``, then ``shared``, then
-   ``object`` (each that is configured), committing the manifest last;
+3. **drain** it to the durable tiers its step goes to (``PHALANX_CKPT_TIERS``), in
+   lanes side by side -- by default the object store, streamed from the memory copy,
+   beside the disk and then the shared path (:mod:`~phalanx.checkpoint.drainplan`) --
+   committing each copy's manifest last;
 4. apply each tier's :class:`RetentionPolicy`; a memory copy is released (its
-   slot freed for the rank) only once a durable copy exists.
+   slot freed for the rank) only once a durable copy exists;
+5. refresh its registration in the catalog, and finish the shared and object drains
+   of a lost keeper's checkpoints it holds a replica of (:mod:`~phalanx.checkpoint.takeover`).
 
 Every copy's state goes to the catalog (KV) and as a :class:`CheckpointEvent`.
 
@@ -54,8 +58,10 @@ from phalanx.checkpoint.memcopy import MemCopy, SharedMemory
 from phalanx.checkpoint.peerserver import PeerServer
 from phalanx.checkpoint.ranksocket import RankSocket
 from phalanx.checkpoint.record import Recorder
+from phalanx.checkpoint.removal import Removal
 from phalanx.checkpoint.replication import Replicator
 from phalanx.checkpoint.restore import Restorer
+from phalanx.checkpoint.takeover import Takeover
 from phalanx.checkpoint.tiers import Store, Tier
 from phalanx.telemetry import get_logger
 
@@ -80,6 +86,8 @@ class Keeper:
         self.intake = Intake(config, self.holdings, self.drains, self.rec, log)
         self.peers = PeerServer(config, self.holdings, self.rec, self.tasks, log)
         self.ranks = RankSocket(config, self.intake, self.restorer, self.rec, log)
+        self.takeover = Takeover(config, self.holdings, self.drains, self.rec, self.tasks, log)
+        self.removal = Removal(config, self.holdings, self.rec, log)  # phalanx ckpt rm
         self._scanner: asyncio.Task[None] | None = None
 
     # -- what the service, the metrics and the tests read ----------------------------------
@@ -113,6 +121,7 @@ class Keeper:
     async def start(self) -> None:
         catalog = await self.rec.open()
         await asyncio.to_thread(self.intake.prepare_node_dir)
+        await self.removal.start()  # before adopt: nothing of a removed checkpoint is taken again
         self.rec.addr = await self.peers.start()
         await catalog.register_keeper(self.node, self.addr)
         await self.intake.adopt()
@@ -120,6 +129,7 @@ class Keeper:
         # The ranks' socket last: a rank that finds it gets a keeper whose catalog is true.
         await self.ranks.start()
         self._scanner = asyncio.create_task(self.intake.scan_loop(), name="keeper-scan")
+        self.takeover.start()
         self.log.info(
             "keeper_started",
             addr=self.addr,
@@ -131,9 +141,12 @@ class Keeper:
     async def stop(self) -> None:
         if self._scanner is not None:
             self._scanner.cancel()
+        self.takeover.stop()
+        await self.removal.stop()
         self.peers.close()
         self.ranks.close()
         await self.tasks.cancel()
+        self.drains.close()
         self.ranks.unlink()
 
     async def idle(self, timeout_s: float = 120.0) -> None:

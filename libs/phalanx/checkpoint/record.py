@@ -39,6 +39,9 @@ class Recorder:
         }
         self.on_copy: Callable[[str, str, str, int, int], None] | None = None
         """Called with (job, tier, state, step, bytes) for every copy that changes state (metrics)."""
+        self.taken_over: dict[tuple[str, int], str] = {}
+        """(job, step) -> the lost origin whose drain this keeper finishes
+        (:mod:`phalanx.checkpoint.takeover`): its shared and object copies say so."""
 
     async def open(self) -> Catalog:
         self._catalog = await Catalog.open(self.bus)
@@ -66,8 +69,14 @@ class Recorder:
             await self._catalog_write(key, lambda: catalog.forget(m.job, m.step, tier, where))
         elif state not in ("served", "skipped"):
             await self._catalog_write(
-                key, lambda: catalog.record(m.job, m.step, tier, where, state, m.total_bytes, self.addr)
+                key,
+                lambda: catalog.record(
+                    m.job, m.step, tier, where, state, m.total_bytes, self.addr, by=self.node
+                ),
             )
+        origin = self.taken_over.get((m.job, m.step))
+        if origin is not None and tier in (Tier.SHARED, Tier.OBJECT) and not detail:
+            detail = f"drain taken over from {origin}"
         # A part of a DCP set is published (and counted) under its job, the part named in
         # ``detail``: events and metrics are per job, not per rank.
         job = job_of(m.job)

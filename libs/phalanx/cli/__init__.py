@@ -9,6 +9,7 @@ views; every command and option has help (``phalanx COMMAND --help``).
     phalanx report JOB -o run.png                a picture of the run
     phalanx trace summary                        the latest incident's phase table
     phalanx cluster offer|reclaim|show           the local cluster (elastic resizing)
+    phalanx ckpt list|show|rm JOB                a job's tiered checkpoints (rm: everywhere)
     phalanx nats | service NAME | health NAME    the parts of `up`, one at a time
 
 Exit status: 0 done, 1 failed, 2 bad input or nothing to talk to (with a message
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import click
 
-from phalanx.cli import cluster, inspect, run, status, up
+from phalanx.cli import ckpt, cluster, inspect, run, status, up
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -29,7 +30,7 @@ def cli() -> None:
     elastic data parallelism and tiered checkpoints, on a NATS bus."""
 
 
-for _module in (up, run, status, inspect, cluster):
+for _module in (up, run, status, inspect, cluster, ckpt):
     for _command in _module.COMMANDS:
         cli.add_command(_command)
 

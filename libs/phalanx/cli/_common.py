@@ -52,8 +52,9 @@ def server_url(endpoint: str | None = None) -> str:
     return settings().nats_url
 
 
-async def connect(url: str, name: str, *, timeout_s: float = 5.0) -> Bus:
-    """A bus connection, or a :class:`Failed` that says what to start, within seconds."""
+async def connect(url: str, name: str, *, timeout_s: float = 5.0, ensure: bool = True) -> Bus:
+    """A bus connection, or a :class:`Failed` that says what to start, within seconds
+    (``ensure``: the streams and buckets created if missing; a read-only command says no)."""
     try:
         await probe(url, timeout_s=min(timeout_s, 3.0))
     except Unreachable as exc:
@@ -62,7 +63,9 @@ async def connect(url: str, name: str, *, timeout_s: float = 5.0) -> Bus:
             "or point NATS_URL at a running one."
         ) from None
     try:
-        return await asyncio.wait_for(Bus.connect(url, name=name, report_errors=False), timeout_s)
+        return await asyncio.wait_for(
+            Bus.connect(url, name=name, report_errors=False, ensure=ensure), timeout_s
+        )
     except TimeoutError:
         raise Failed(
             f"the NATS server at {url} answered but did not accept a client in {timeout_s:g} s"

@@ -37,7 +37,7 @@ KV_SUBJECTS = f"$KV.{JOBS_BUCKET}.>"
 CLUSTER_KV_STREAM = f"KV_{CLUSTER_BUCKET}"
 CLUSTER_KV_SUBJECTS = f"$KV.{CLUSTER_BUCKET}.>"  # written by admin only (phalanx cluster ...)
 CKPT_KV_STREAM = f"KV_{CKPT_BUCKET}"
-CKPT_KV_SUBJECTS = f"$KV.{CKPT_BUCKET}.>"  # written by the keepers (state-replication) only
+CKPT_KV_SUBJECTS = f"$KV.{CKPT_BUCKET}.>"  # written by the keepers and admin (ckpt rm)
 ALL_STREAMS: tuple[str, ...] = (*(s.name for s in STREAMS), KV_STREAM, CLUSTER_KV_STREAM, CKPT_KV_STREAM)
 
 PLANNER, DETECTOR, LAUNCHER, RANK = "planner", "detector", "launcher", "rank"

@@ -13,13 +13,19 @@ machine) is shrunk and grown through the public CLI while it trains --
 ``phalanx cluster reclaim b --grace 10s`` (b's ranks finish their step and exit
 0), then ``phalanx cluster offer 1 --node b`` twice (b's launcher starts a worker,
 the job grows when it is warm) -- and its per-step loss is compared with a
-fixed-size run of the same job. Logs, spans and the store directory go to
-``.phalanx/demo/``.
+fixed-size run of the same job.
+
+Last, tiered checkpoints: a 2-rank job snapshots every 5 steps; the newest checkpoint
+is shown moving through the tiers -- the rank's shared memory, a replica on a second
+keeper ("peer"), this node's disk, the shared path -- then listed with ``phalanx ckpt
+list``, and the job, relaunched with the same command, resumes from it, restored from
+memory. Logs, spans and the store directory go to ``.phalanx/demo/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import shutil
@@ -27,10 +33,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from phalanx.contract import Action
+from phalanx.bus import Bus
+from phalanx.contract import Action, CheckpointEvent
+from phalanx.contract.subjects import CHECKPOINT
 from phalanx.devstack.jobwatch import JobResult
 from phalanx.devstack.localstack import LocalStack
 from phalanx.telemetry import setup_logging
@@ -163,6 +172,87 @@ def _elastic(stack: LocalStack, corpus: Path, work: Path, steps: int) -> bool:
     return ok and diff <= 1e-5
 
 
+def _tiers_env(work: Path) -> dict[str, str]:
+    """The keepers' tiers in the demo: disk and a shared path, one replica."""
+    return {
+        "PHALANX_CKPT_DISK": str(work / "ckpt-disk"),
+        "PHALANX_CKPT_SHARED": str(work / "ckpt-shared"),
+        "PHALANX_CKPT_REPLICAS": "1",
+    }
+
+
+async def _watched(stack: LocalStack, job: str, cmd: list[str]) -> tuple[JobResult, list[CheckpointEvent]]:
+    """Run ``job`` (2 ranks) to its end, with every CheckpointEvent it causes; waits for
+    the newest checkpoint to reach the shared path."""
+    bus = await Bus.connect(stack.url, name=f"demo-{job}-events", ensure=False, report_errors=False)
+    seen: list[CheckpointEvent] = []
+
+    async def on(event: CheckpointEvent, raw: Any) -> None:
+        seen.append(event)
+
+    try:
+        await bus.subscribe(CHECKPOINT.format(job=job), on, CheckpointEvent)
+        result = await stack.run_job_async(job, cmd, nproc=2, global_batch=12, timeout_s=120)
+        taken = [e.step for e in seen if e.tier == "memory" and e.state == "complete"]
+        deadline = time.monotonic() + 10
+        while taken and time.monotonic() < deadline:
+            if any((e.step, e.tier, e.state) == (max(taken), "shared", "complete") for e in seen):
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await bus.close()
+    return result, seen
+
+
+def _tiered(stack: LocalStack, corpus: Path, work: Path) -> bool:
+    """Part 4: a checkpoint through the tiers, ``phalanx ckpt list``, and a relaunch
+    restored from memory; True when the relaunch resumed right after the checkpoint."""
+    from phalanx.examples.train_gpt import SMALL
+    from phalanx.examples.train_gpt import command as train_command
+
+    stack.start_keeper("peer", _tiers_env(work))  # another node's keeper: the replica goes there
+    job, log = "demo-ckpt", work / "ckpt.steps"
+    cmd = train_command(12, corpus, *SMALL, "--checkpoint-every", "5", steps_log=log)
+    first, seen = asyncio.run(_watched(stack, job, cmd))
+    taken = [e for e in seen if e.tier == "memory" and e.state == "complete"]
+    if first.returncode != 0 or not taken:
+        _say(f"  the job failed (exit {first.returncode}) or took no checkpoint; see the logs")
+        return False
+    step = max(e.step for e in taken)
+    story = sorted((e for e in seen if e.step == step and e.state == "complete"), key=lambda e: e.ts)
+    _say(f"  checkpoint {step} ({story[0].bytes} bytes), as its keepers report it:")
+    for e in story:
+        what = e.detail or ("the rank's slot, taken" if e.tier == "memory" else "drained")
+        _say(f"    +{1000 * (e.ts - story[0].ts):6.1f} ms  {e.tier:<7} complete on {e.node:<6} {what}")
+    _say(f"  $ phalanx ckpt list {job}")
+    listed = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "ckpt", "list", job],
+        env={**stack.env, **stack.role_env("observer"), "COLUMNS": "100"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    for line in listed.stdout.splitlines()[1:]:  # the table (its title is this line's command)
+        _say(f"    {line}")
+    before = len(log.read_text().splitlines()) if log.exists() else 0
+    stack.wait_ended(job)
+    second, seen = asyncio.run(_watched(stack, job, cmd))  # relaunched: nobody holds its state
+    served = [e for e in seen if e.state == "served"]
+    again = [json.loads(x)["step"] for x in log.read_text().splitlines()[before:]] if log.exists() else []
+    if served:
+        _say(
+            f"  relaunch   rank 0 restored step {served[0].step} {served[0].detail} in "
+            f"{1000 * served[0].seconds:.1f} ms; first step trained {min(again, default='-')}, "
+            f"exit {second.returncode}"
+        )
+    return (
+        second.returncode == 0
+        and bool(served)
+        and served[0].detail == "from memory"
+        and (min(again, default=-1) == step + 1)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
@@ -183,20 +273,20 @@ def main(argv: list[str] | None = None) -> int:
     build_corpus(corpus)
     _say(f"[setup] corpus {corpus} ({corpus.stat().st_size} bytes)")
     t = time.time()
-    with LocalStack(work) as stack:
+    with LocalStack(work, service_env={"state-replication": _tiers_env(work)}) as stack:
         _say(
             f"[setup] nats-server {stack.url}; services up and healthy: {', '.join(stack.services)} "
             f"({time.time() - t:.1f} s); logs in {work}/"
         )
         spares = args.faults.count(":")
-        _say(f"\n[1/3] fault-free reference: {args.nproc} ranks, {args.steps} steps")
+        _say(f"\n[1/4] fault-free reference: {args.nproc} ranks, {args.steps} steps")
         ref = stack.run_job(
             "demo-ref",
             train_command(args.steps, corpus, save=work / "ref.pt", steps_log=work / "ref.steps"),
             nproc=args.nproc,
         )
         _say(f"      exit {ref.returncode} in {ref.wall_s:.1f} s")
-        _say(f"\n[2/3] the same job with {spares} hot spares and faults {args.faults}")
+        _say(f"\n[2/4] the same job with {spares} hot spares and faults {args.faults}")
         run = stack.run_job(
             "demo-faults",
             train_command(args.steps, corpus, save=work / "run.pt", steps_log=work / "run.steps"),
@@ -221,12 +311,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{'bitwise EQUAL to' if same else 'DIFFERENT from'} the fault-free run"
         )
         _say(
-            f"\n[3/3] elasticity: nodes a and b, 2 ranks each, {args.elastic_steps} steps; "
+            f"\n[3/4] elasticity: nodes a and b, 2 ranks each, {args.elastic_steps} steps; "
             "capacity taken back and offered again through `phalanx cluster`"
         )
         elastic = _elastic(stack, corpus, work, args.elastic_steps)
+        _say(
+            "\n[4/4] tiered checkpoints: 2 ranks snapshot every 5 steps; a second keeper takes"
+            " replicas; the job is relaunched"
+        )
+        tiered = _tiered(stack, corpus, work)
     _say(f"trace any incident again with: phalanx trace summary --spans {stack.span_file}")
-    return 0 if same and elastic else 1
+    return 0 if same and elastic and tiered else 1
 
 
 if __name__ == "__main__":
