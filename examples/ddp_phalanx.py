@@ -7,6 +7,10 @@ one-cycle LR schedule and gradient clipping, now surviving lost ranks in place.
 instead of ``init_process_group``, ``job.ddp`` instead of ``DDP``, an
 ``ElasticSampler`` instead of ``DistributedSampler``, ``job.track`` (what moves to
 a joiner) and ``job.steps`` as the loop header; ranks come from ``job.rank``.
+
+``--checkpoint-every N`` (``job.checkpoint(every=N)``) also saves that state every
+``N`` steps to the tiered store (each node runs a keeper, ``state-replication``): the
+same command, relaunched after the whole job was lost, resumes from the newest one.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
     log = StepLog(args.steps_log)
     job.track(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
+    if args.checkpoint_every:  # where a relaunch resumes from when the whole job was lost
+        job.checkpoint(every=args.checkpoint_every)
     for step, (x, y) in job.steps(loader, args.steps):
         x, y = x.to(device), y.to(device)
         loss = F.mse_loss(model(x), y)

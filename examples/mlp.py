@@ -75,12 +75,12 @@ def parse_args(
     p = argparse.ArgumentParser(description=doc)
     if sharded:
         p.add_argument("--replicas", type=int, default=2, help="HSDP replica groups (the rest shard)")
-        p.add_argument(
-            "--checkpoint-every",
-            type=int,
-            default=0,
-            help="the Phalanx port: tiered checkpoint every N steps",
-        )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="the Phalanx port: tiered checkpoint every N steps (the plain script ignores it)",
+    )
     p.add_argument("--steps", type=int, default=100, help="optimizer steps to train")
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
     p.add_argument("--samples", type=int, default=4096, help="dataset size (an epoch)")
@@ -96,6 +96,8 @@ def parse_args(
         p.error("--replicas must be >= 1")
     if args.steps < 0 or args.batch_size < 1 or args.samples < 1 or not 0.0 <= args.dropout < 1.0:
         p.error("--steps must be >= 0, --batch-size and --samples >= 1, --dropout in [0, 1)")
+    if args.checkpoint_every < 0:
+        p.error("--checkpoint-every must be >= 0 (0: no checkpoints)")
     return args
 
 

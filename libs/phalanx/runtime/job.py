@@ -107,10 +107,21 @@ class Job:
         """Name what moves to a joiner: objects with ``state_dict``/``load_state_dict``."""
         self.loop.track(**objects)
 
-    def checkpoint(self, every: int) -> None:
-        """Save the tracked state every ``every`` steps to the tiered store (a
-        ``job.mesh()`` job): where it resumes from when every replica of a shard is lost
-        (:mod:`phalanx.runtime.tiered`). Call it before :meth:`steps`."""
+    def checkpoint(self, every: int | None = None) -> None:
+        """Save the loop's state every ``every`` committed steps to the tiered store (the
+        node's keeper, ``state-replication``, must run): where the job resumes from when
+        no member holds some of it. Call it before :meth:`steps`. ``every`` None: memory's
+        ``every`` in the node's ``PHALANX_CKPT_TIERS``; an interval that would not give each
+        durable tier of that policy the steps it asks for is refused (ValueError).
+
+        A ``job.ddp()`` job: one member (a different one each time) snapshots what moves
+        to a joiner -- the tracked objects (model, optimizer, scheduler, sampler: the data
+        position), the RNG state, DDP's bucket layout, the LR scale -- and a relaunch of
+        the same script after the whole job was lost resumes from the newest complete
+        checkpoint with its state bit for bit (:mod:`phalanx.runtime.snapshots`; every
+        rank gets the saver's RNG state, as a joiner does). A save the keeper cannot take
+        now is skipped, never waited for. A ``job.mesh()`` job: every rank saves its
+        shards, loaded when every replica of a shard is lost (:mod:`phalanx.runtime.tiered`)."""
         self.loop.checkpoint(every)
 
     def on_resize(self, hook: Callable[[int, int, NodePlan], None]) -> None:

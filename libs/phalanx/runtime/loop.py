@@ -99,6 +99,11 @@ How it fits (torchft's shape: DDP on a placeholder group, gradients through a ho
   reducer like everyone's first iteration.
 - The hook holds the job's one :class:`~phalanx.runtime.comm.Communicator`, which
   each generation re-points; DDP itself never sees a generation's group.
+- ``job.checkpoint(every=N)``: every ``N`` committed steps one member (a different one
+  each time) snapshots what moves to a joiner into the tiered store
+  (:mod:`.snapshots`, the Trainer's rotation); a relaunched job, whose members hold
+  nothing, resumes from the newest complete one through the Session's last resort
+  (rank 0 loads it and sends it to the others).
 
 The loop is bitwise the plain torchrun script's when the world size is the same
 (same sampler order, same reduction, same bucket layouts), and a run with faults
@@ -144,6 +149,7 @@ from phalanx.runtime.sampler import ElasticSampler, concat, per_step
 from phalanx.runtime.session import Member, RecoveryError, Removed, Session
 from phalanx.runtime.sharded import StepGuard, load_shards, mesh_for_job
 from phalanx.runtime.shards import to_local
+from phalanx.runtime.snapshots import RotatingSnapshots, snapshot_interval
 from phalanx.runtime.tiered import ShardedCheckpoints
 from phalanx.telemetry import get_logger
 
@@ -205,7 +211,8 @@ class UserLoop:
         self.lr_scale = 1.0
         self._loss: float | torch.Tensor | None = None  # what report_loss() got in the step in flight
         self._every = 0  # job.checkpoint(every=N)
-        self.checkpoints: ShardedCheckpoints | None = None
+        self.checkpoints: ShardedCheckpoints | None = None  # a job.mesh() job's, or
+        self.snapshots: RotatingSnapshots | None = None  # a job.ddp() job's
 
     # -- the user's API --------------------------------------------------------------
     def ddp(self, module: nn.Module, **kwargs: Any) -> DistributedDataParallel:
@@ -253,12 +260,11 @@ class UserLoop:
                 )
         self.tracked.update(objects)
 
-    def checkpoint(self, every: int) -> None:
-        """Save the tracked state every ``every`` steps to the tiered store, where a job
-        that loses every replica of a shard resumes from (:mod:`phalanx.runtime.tiered`)."""
-        if type(every) is not int or every < 1:
-            raise ValueError(f"job.checkpoint(every=...) needs an int >= 1, got {every!r}")
-        self._every = every
+    def checkpoint(self, every: int | None = None) -> None:
+        """Save the state every ``every`` committed steps (None: the node policy's) to the
+        tiered store, where a job whose members hold nothing resumes from (:mod:`.snapshots`;
+        a mesh's: :mod:`.tiered`)."""
+        self._every = snapshot_interval(every)
 
     def steps(
         self, loader: DataLoader[Any], total: int, *, accumulate: bool = False
@@ -279,8 +285,6 @@ class UserLoop:
             raise RuntimeError(
                 "job.steps() needs the model wrapped by job.ddp(model), or a job.mesh(), first"
             )
-        if self._every and self._mesh is None:
-            raise TypeError("job.checkpoint() is for a job.mesh() job (a DDP job's state is on every rank)")
         sampler = getattr(loader, "sampler", None)
         if not isinstance(sampler, ElasticSampler) or loader.batch_size is None:
             raise TypeError(
@@ -293,7 +297,10 @@ class UserLoop:
         self._prepare_tracking()
         if self._ddp is not None:
             device = next((p.device for p in self._ddp.parameters()), torch.device("cpu"))
-            session = self.session = Session(self.job, self, device=device)
+            if self._every:  # resumed from by the Session's last resort (its checkpoints=)
+                self.snapshots = RotatingSnapshots.of(self.job.job, self._every, self.log, self.tracked)
+            store = self.snapshots.checkpoints if self.snapshots is not None else None
+            session = self.session = Session(self.job, self, device=device, checkpoints=store)
         else:
             mesh = self._mesh
             assert mesh is not None
@@ -323,6 +330,7 @@ class UserLoop:
                 failed = self._failed
                 if failed is not None:
                     self._vote.drop()
+                    self._fence()
                     _roll_back(saved)
                     session.reconfigure(failed, self._restore)
                     continue
@@ -334,6 +342,8 @@ class UserLoop:
                 session.committed((time.perf_counter() - t0) * 1000.0, wall0, loss)
                 if self.checkpoints is not None and self.checkpoints.due(session.step) and late is None:
                     late = self.checkpoints.save(session.step, session.rank, session.bounds.backstop_s)
+                if self.snapshots is not None:  # a skipped save (None) is the Checkpointer's to report
+                    self.snapshots.after_step(session, self.state_dict)
                 if late is not None or switch:  # a peer died after the step, or a planned resize
                     session.reconfigure(late, self._restore)
             # A sharded model's full state dict is gathered after the loop: its groups stay.
@@ -374,11 +384,17 @@ class UserLoop:
             "rng": self._rng_before
             if self.session is not None and self._rng_step == self.session.step
             else rng_state(),
-            "ddp": {"layout": self._layout},
+            # the generation's layout; a loaded checkpoint's until _restore adopts it
+            "ddp": {"layout": self._source_layout if self._received else self._layout},
             "lr_scale": self.lr_scale,  # what the tracked learning rates carry
         }
 
+    def _fence(self) -> None:  # a save in flight still reads the state
+        if self.snapshots is not None:
+            self.snapshots.fence()
+
     def load_state_dict(self, state: dict[str, Any], *, fresh: bool) -> None:
+        self._fence()
         tracked = state.get("tracked")
         if not isinstance(tracked, dict) or set(tracked) != set(self.tracked):
             got = sorted(tracked) if isinstance(tracked, dict) else tracked

@@ -53,6 +53,7 @@ from torch import nn
 from phalanx.contract import BatchPlan, NodePlan, Phase, Role
 from phalanx.runtime.comm import CommError, Group
 from phalanx.runtime.session import Member, RecoveryError, Removed, Session
+from phalanx.runtime.snapshots import RotatingSnapshots
 from phalanx.telemetry import get_logger
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ class Trainer:
             raise ValueError("checkpoint_every needs checkpoints and must be >= 0")
         # Tiered checkpoints: every checkpoint_every steps one member (a different one
         # each time, so the work spreads over the nodes) snapshots the state; a group
-        # in which nobody holds state resumes from the newest one.
+        # in which nobody holds state resumes from the newest one (:mod:`.snapshots`).
         self.checkpoints, self.checkpoint_every = checkpoints, checkpoint_every
         self.job, self.model, self.optimizer = job, model, optimizer
         self.batches, self.loss_fn = batches, loss_fn
@@ -122,6 +123,11 @@ class Trainer:
         self.on_step = on_step
         self.on_resize = on_resize
         self.log = get_logger(component="trainer", worker=job.worker)
+        self._snapshots = (
+            RotatingSnapshots(checkpoints, checkpoint_every, self.log, (optimizer,))
+            if checkpoints is not None and checkpoint_every
+            else None
+        )
         # How the current generation splits the global batch (the plan's, when it is
         # for this global batch), and the optimizer's learning rates it scales.
         self.batch: BatchPlan | None = None
@@ -192,6 +198,8 @@ class Trainer:
                 f"data position mismatch: got {state['data']}, expected {self.data_state(step)}"
             )
         self._local_key = None  # the weights change: kept gradients no longer apply
+        if self._snapshots is not None:
+            self._snapshots.fence()  # a save in flight still reads the weights
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["torch"].cpu().clone())  # a view into the buffer segfaults
@@ -347,21 +355,10 @@ class Trainer:
         step_ms = (time.perf_counter() - t0) * 1000.0
         session.committed(step_ms, wall0, self.last_loss)
         self._switch = votes > 0  # every member saw the same sum: all switch after this step
-        self._maybe_checkpoint()
+        if self._snapshots is not None:  # data parallel: one member's snapshot is the job's
+            self._snapshots.after_step(session, self.state_dict)
         if self.on_step is not None:
             self.on_step(session.step, step_ms)
-
-    def _maybe_checkpoint(self) -> None:
-        every, session = self.checkpoint_every, self.session
-        if not every or session.step % every or self.checkpoints is None:
-            return
-        if session.rank != (session.step // every) % session.world_size:
-            return  # data parallel: one replica's snapshot is the job's
-        written = self.checkpoints.save({"step": session.step, "state": self.state_dict()}, session.step)
-        if written is not None:
-            self.log.info(
-                "checkpoint_saved", step=session.step, seconds=round(written.seconds, 4), bytes=written.bytes
-            )
 
 
 def warm_up_group(t: torch.Tensor) -> None:
