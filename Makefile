@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# constraints.txt pins torch to the CPU wheel on local disk on the dev/CI machines.
+	# The bench-* targets need the test extra too: bench.checkpoint's S3 server (moto) and s3fs.
 	$(PY) -m pip install -q -c constraints.txt -e '.[server,test]'
 	@touch $(STAMP)
 

@@ -20,7 +20,20 @@ SMOKE = {  # module: (its tiny-size arguments, the keys its last JSON line must 
     # bench.checkpoint also runs bench/checkpoint_baselines.py (DCP stagers, direct to S3)
     "bench.checkpoint": (
         ["--gib", "0.01", "--saves", "1"],
-        {"blocking_save_s", "digest_s", "restore_remote_s", "direct_remote_save_s", "dcp_async_blocked_s"},
+        {
+            "blocking_save_s",
+            "step_compute_s",
+            "fence_s",
+            "shm_copy_s",
+            "durable_lag_s",
+            "drain_overhead_pct",
+            "drain_overhead_runs_pct",
+            "digest_s",
+            "restore_remote_s",
+            "direct_remote_save_s",
+            "direct_remote_phases",
+            "dcp_async_blocked_s",
+        },
     ),
     "bench.failover": (["--trials", "1"], {"planner_failover_s", "planner_failover_max_s", "samples_s"}),
     "bench.recovery": (

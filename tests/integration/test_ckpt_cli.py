@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,12 +27,11 @@ from phalanx.checkpoint.manifest import Manifest
 from phalanx.checkpoint.removal import DETAIL
 from phalanx.checkpoint.slots import SlotState, scan
 from phalanx.checkpoint.tiers import ObjectTier, ReadFile, step_key
-from phalanx.contract.subjects import CHECKPOINT
 from phalanx.devstack.natsserver import NatsServer
 from phalanx.natsauth import NatsAuth
-from tests.integration.test_checkpoint import JOB, Cluster, bucket, in_thread, state_at
+from tests.integration.test_checkpoint import JOB, Cluster, bucket, cluster, in_thread, state_at
 
-__all__ = ["bucket"]  # the fixture, as test_checkpoint.py has it
+__all__ = ["bucket", "cluster"]  # the fixtures, as test_checkpoint.py has them
 
 
 @dataclass
@@ -72,16 +71,6 @@ async def until(what: Callable[[], Any], timeout_s: float, why: str) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"{why}: not within {timeout_s}s")
         await asyncio.sleep(0.05)
-
-
-@pytest.fixture
-async def cluster(bus: Bus, tmp_path: Path, bucket: str) -> AsyncIterator[Cluster]:
-    c = Cluster(bus, tmp_path, bucket)
-    await bus.nc.subscribe(CHECKPOINT.format(job=JOB), cb=c.on_event)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 async def saved(c: Cluster, *steps: int, nodes: tuple[str, ...] = ("n1", "n2")) -> None:

@@ -9,12 +9,8 @@ import asyncio
 import inspect
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
-
-import pytest
 
 from phalanx.bus import Bus
 from phalanx.checkpoint import Tier
@@ -23,30 +19,11 @@ from phalanx.checkpoint.keeper import Keeper
 from phalanx.checkpoint.manifest import Manifest
 from phalanx.checkpoint.tiers import ObjectTier, ReadFile
 from phalanx.contract import CheckpointEvent
-from phalanx.contract.subjects import CHECKPOINT
-from phalanx.devstack.s3server import S3Server
-from tests.integration.test_checkpoint import JOB, Cluster, state_at
+from tests.integration.test_checkpoint import JOB, Cluster, bucket, cluster, state_at
+
+__all__ = ["bucket", "cluster"]  # the fixtures, as test_checkpoint.py has them
 
 FAST = {"refresh_s": 0.2, "lost_after_s": 1.0}  # a keeper is lost ~1 s after its last refresh
-
-
-@pytest.fixture
-def bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    for k, v in s3_server.env().items():
-        monkeypatch.setenv(k, v)
-    name = f"to-{uuid.uuid4().hex[:10]}"
-    s3_server.create_bucket(name)
-    return f"s3://{name}/ckpt"
-
-
-@pytest.fixture
-async def cluster(bus: Bus, tmp_path: Path, bucket: str) -> AsyncIterator[Cluster]:
-    c = Cluster(bus, tmp_path, bucket)
-    await bus.nc.subscribe(CHECKPOINT.format(job=JOB), cb=c.on_event)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 class Stall:

@@ -113,6 +113,7 @@ class Drains:
         """Drain ``m`` to ``tiers`` in order (lane ``i``, one checkpoint at a time);
         returns the tiers that failed."""
         failed: list[Tier] = []
+        done: list[Tier] = []
         holdings = self.holdings
         async with self._lanes[i]:
             for tier in tiers:
@@ -138,7 +139,9 @@ class Drains:
                 self.rec.counters["drained"] += 1
                 paced = f"paced {throttle.slept_s:.2f} s" if throttle is not None and throttle.slept_s else ""
                 await self.rec.note(m, tier, COMPLETE, seconds=time.perf_counter() - t0, detail=paced)
-                await holdings.retain(m.job, tier)
+                done.append(tier)
+        for tier in done:  # out of the lane: the next checkpoint's copy does not wait for deletes
+            await holdings.retain(m.job, tier)
         return failed
 
     def close(self) -> None:

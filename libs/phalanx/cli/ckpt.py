@@ -173,16 +173,21 @@ def _note(e: Entry) -> str:
 
 
 # -- the commands ---------------------------------------------------------------------------
-async def _list(job: str, as_json: bool) -> int:
+async def _read(job: str) -> tuple[str, dict[int, Entry]]:
+    """The server's URL and every checkpoint of ``job`` its catalog holds."""
     url = server_url()
     bus = await connect(url, name="phalanx-ckpt", ensure=False)
     try:
         try:
-            entries = await _entries(await _catalog(bus, url), job)
+            return url, await _entries(await _catalog(bus, url), job)
         except (nats.errors.Error, TimeoutError) as exc:
             raise _nats_failed(bus, exc) from None
     finally:
         await bus.close()
+
+
+async def _list(job: str, as_json: bool) -> int:
+    url, entries = await _read(job)
     steps = sorted(entries, reverse=True)
     if as_json:
         print(json.dumps({"job": job, "checkpoints": [_summary(entries[s]) for s in steps]}), flush=True)
@@ -221,15 +226,7 @@ def _held(tier: Tier, nodes: list[str]) -> str:
 
 
 async def _show(job: str, step: int | None, as_json: bool) -> int:
-    url = server_url()
-    bus = await connect(url, name="phalanx-ckpt", ensure=False)
-    try:
-        try:
-            entries = await _entries(await _catalog(bus, url), job)
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _nats_failed(bus, exc) from None
-    finally:
-        await bus.close()
+    url, entries = await _read(job)
     if step is None:
         with_manifest = [s for s, e in entries.items() if e.manifest is not None]
         if not with_manifest:
