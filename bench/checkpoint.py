@@ -107,10 +107,11 @@ class Steps:
 
     def __init__(self, layers: int = 8) -> None:
         torch.manual_seed(0)
-        self.model = torch.nn.Sequential(*(torch.nn.Linear(384, 384) for _ in range(max(1, layers))))
-        for layer in self.model:  # norm-preserving: deep stacks neither vanish into denormals nor blow up
+        linears = [torch.nn.Linear(384, 384) for _ in range(max(1, layers))]
+        for layer in linears:  # norm-preserving: deep stacks neither vanish into denormals nor blow up
             torch.nn.init.orthogonal_(layer.weight)
             torch.nn.init.zeros_(layer.bias)
+        self.model = torch.nn.Sequential(*linears)
         self.x = torch.randn(384, 384)
 
     def step(self) -> float:
