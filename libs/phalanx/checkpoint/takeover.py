@@ -162,6 +162,9 @@ class Takeover:
         self._pending: dict[Key, tuple[Manifest, tuple[Tier, ...], int]] = {}
         """Claimed and drained, a tier not there yet (Drains retries it): m, tiers, claim revision."""
         self._settling = asyncio.Lock()
+        # One tick at a time: two would both find the same orphan, and the second would
+        # take this keeper's own fresh claim for a restarted keeper's and drain it again.
+        self._ticking = asyncio.Lock()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="keeper-takeover")
@@ -181,6 +184,10 @@ class Takeover:
     async def tick(self) -> list[Key]:
         """One period: refresh the registration, settle finished takeovers, claim and start
         the drains to take over; returns the (job, step) whose drain it started."""
+        async with self._ticking:
+            return await self._tick()
+
+    async def _tick(self) -> list[Key]:
         catalog = self.rec.catalog
         await catalog.register_keeper(self.node, self.rec.addr)
         await self._settle()
