@@ -15,8 +15,12 @@ loop's, a service's drain) is left alone.
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 SIGTERM_EXIT = 128 + signal.SIGTERM
@@ -38,3 +42,25 @@ def exit_on_sigterm() -> bool:
         return False
     signal.signal(signal.SIGTERM, _raise_exit)
     return True
+
+
+def exit_watchdog(after_s: float, code: Callable[[], int], what: str) -> threading.Timer:
+    """Make sure this process ends: ``after_s`` seconds from now, if it still runs, write
+    every thread's stack to stderr (the log says what was stuck) and ``os._exit(code())``.
+
+    For the end of a process whose shutdown waits on others (child processes, a server's
+    drain, a tracing exporter, executor threads that ``asyncio.run`` joins without a
+    bound): one of them stuck must not keep it alive, nor whoever waits for it. The
+    timer's thread is a daemon: a process that ends in time never hears of it.
+    """
+
+    def fire() -> None:
+        sys.stderr.write(f"{what}: still running {after_s:g} s after it should end; every thread's stack:\n")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(code())
+
+    timer = threading.Timer(after_s, fire)
+    timer.daemon = True
+    timer.start()
+    return timer

@@ -71,3 +71,26 @@ async def test_closing_the_bus_logs_no_warning(nats_url: str) -> None:
         bus = await Bus.connect(nats_url, name="closing")
         await bus.close()
     assert not [e for e in logs if e["log_level"] in ("warning", "error")], logs
+
+
+def test_the_exit_watchdog_ends_a_process_stuck_at_its_end_and_says_where() -> None:
+    """A process whose shutdown hangs (here: a thread joined forever) is ended by the
+    watchdog with the code it gives, every thread's stack on stderr."""
+    script = (
+        "import threading, time\n"
+        "from phalanx.lifecycle import exit_watchdog\n"
+        "exit_watchdog(0.3, lambda: 7, 'test-process')\n"
+        "def stuck_forever():\n"
+        "    time.sleep(3600)\n"
+        "t = threading.Thread(target=stuck_forever); t.start(); t.join()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7
+    assert "test-process: still running 0.3 s after it should end" in done.stderr
+    assert "stuck_forever" in done.stderr  # the stuck thread's stack
+
+
+def test_the_exit_watchdog_leaves_a_process_that_ends_in_time_alone() -> None:
+    script = "from phalanx.lifecycle import exit_watchdog\nexit_watchdog(30, lambda: 7, 'p')\nprint('ok')\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok" and not done.stderr

@@ -77,6 +77,7 @@ from phalanx.launcher.planview import NodePlanFollower
 from phalanx.launcher.restarts import end_then_start, members_to_restart
 from phalanx.launcher.starter import Starter
 from phalanx.launcher.store import StoreError, StoreProcess
+from phalanx.lifecycle import exit_watchdog
 from phalanx.metrics import LauncherMetrics, MetricsServer, serve_metrics
 from phalanx.settings import LauncherSettings, load
 from phalanx.telemetry import get_logger
@@ -542,6 +543,10 @@ def drain_grace_s() -> float:
     return load(LauncherSettings).launcher_drain_s
 
 
+STOP_BOUND_S = 60.0
+"""The longest a launcher's process lives once its job has ended (:func:`exit_watchdog`)."""
+
+
 async def run(config: LaunchConfig, timeout_s: float | None = None) -> tuple[int, str | None]:
     """Run this node's part of the job to its end: (exit code, why it did not complete)."""
     grace = drain_grace_s()
@@ -558,4 +563,10 @@ async def run(config: LaunchConfig, timeout_s: float | None = None) -> tuple[int
     finally:
         if grace > 0:
             loop.remove_signal_handler(signal.SIGTERM)
+        # Everything from here on is bounded, but a stuck child, drain or exporter must not
+        # keep a finished node's launcher (and whoever waits for it) alive: a clean-clone run
+        # saw one linger for minutes after "job_completed".
+        exit_watchdog(
+            STOP_BOUND_S, lambda: 0 if launcher._done.is_set() and why(launcher) is None else 1, "launcher"
+        )
         await launcher.stop()
