@@ -60,14 +60,17 @@ def torchrun(
     out: Path, name: str, *, nproc: int, max_restarts: int = 0, kill_at: int | None = None
 ) -> tuple[int, Path, Path]:
     """Run the script under torchrun (SIGKILL rank 1 once step ``kill_at`` is logged):
-    (torchrun's exit code, event log, weights)."""
+    (torchrun's exit code, event log, weights). torchrun's own output goes to
+    ``<out>/<name>.torchrun.log``; its tail is printed when it fails (pytest shows it)."""
     args, events, save = script_args(out, name)
-    proc = subprocess.Popen(
-        torchrun_command(nproc, args, max_restarts=max_restarts),
-        env=torchrun_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log = out / f"{name}.torchrun.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(
+            torchrun_command(nproc, args, max_restarts=max_restarts),
+            env=torchrun_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 240
         while proc.poll() is None:
@@ -82,7 +85,10 @@ def torchrun(
     finally:
         if proc.poll() is None:
             proc.kill()
-    return proc.wait(), events, save
+    rc = proc.wait()
+    if rc != 0:
+        print(f"torchrun {name} exited {rc}; the end of {log}:\n{log.read_text(errors='replace')[-4000:]}")
+    return rc, events, save
 
 
 @pytest.fixture(scope="module")
