@@ -20,6 +20,8 @@ class Fault:
     worker: str
     cause: str
     hung: bool
+    generation: int | None = None
+    """The generation the verdict is on (None: the current one)."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ and otherwise stops the job with the reason -- it never leaves a job waiting.
 
 A job recovered by restart (an unmodified torchrun script) keeps its members when a
 process ends on a live node (``REFORM``: every member restarts in place, as torchrun's
-group restart); its spares go to ranks of lost nodes and hung processes.
+group restart), and an exit of a process that ran an older generation than the plan's is
+no fault at all (that plan restarts it anyway); its spares go to ranks of lost nodes and
+hung processes.
 
 Spares are chosen by node: for a single lost rank, a spare on the same node
 first (that node has the rank's data shards prepared), then one on another live
@@ -89,6 +91,15 @@ class ReplaceOrShrink:
         if plan is None or plan.rank_of(fault.worker) is None:
             return Decision(Action.HOLD, f"{fault.worker} is not a member of generation {state.generation}")
         if state.spec.recovery is Recovery.RESTART and not fault.hung:
+            if fault.generation is not None and fault.generation < plan.generation:
+                # Its process ran an older generation's script: the current plan already
+                # starts every member afresh (the launcher restarts a member with no live
+                # process of it), so a second restart would only spend the budget.
+                return Decision(
+                    Action.HOLD,
+                    f"{fault.worker} {fault.cause} in generation {fault.generation}: generation "
+                    f"{plan.generation} already restarts every member",
+                )
             # A process of an unmodified script ended; its node, which reported the exit,
             # still has the slot. Its peers die of the broken collective too: keeping
             # the members (every one restarts) spends no spare on them, as torchrun

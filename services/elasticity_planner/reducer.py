@@ -151,6 +151,7 @@ class Reducer:
                 worker=m.worker,
                 cause=cause,
                 hung=isinstance(event, ev.Hang),
+                generation=m.generation,
                 cause_class=cause_class(cause),
                 fault_at=m.fault_at,
                 detected_at=m.detected_at,
@@ -235,7 +236,9 @@ class Reducer:
         if inc.node:
             decision = self.failure.on_node_lost(state, inc.node, inc.cause)
         else:
-            decision = self.failure.on_fault(state, Fault(name, inc.worker, inc.cause, inc.hung))
+            decision = self.failure.on_fault(
+                state, Fault(name, inc.worker, inc.cause, inc.hung, inc.generation)
+            )
         starting = _starting(state) if decision.action in (Action.SHRINK, Action.STOP) else []
         wait = self.failure.spare_wait(state)
         attributes = {"phalanx.job": ctx.job, "phalanx.incident": name, **inc.attributes}

@@ -283,6 +283,8 @@ class Detector:
                 del self._tracked[w.key]
             return None
         rank, generation = self._tracking.rank_of(ex.job, ex.worker, w)
+        if ex.generation is not None:  # a process per generation: the verdict is on the one it ran
+            generation = ex.generation
         return self._verdict(self._rules.exit_incident(ex, w, rank, generation, self.clock()), w)
 
     def apply_plan(self, plan: Plan) -> bool:

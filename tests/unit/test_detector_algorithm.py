@@ -557,6 +557,9 @@ def test_plans_give_rank_and_generation_and_removed_workers_are_forgotten() -> N
     det.apply_plan(_plan(3, ["w5"], spares=["w6"]))
     assert det.on_exit(exit_msg("w5", pid=5)).rank == 0  # type: ignore[union-attr]
     assert det.on_exit(exit_msg("w6", pid=6)).rank == -1  # type: ignore[union-attr]
+    # restart recovery: the launcher names the generation the process ran; the verdict keeps it
+    ran = exit_msg("w5", pid=50).model_copy(update={"generation": 2})
+    assert det.on_exit(ran).generation == 2  # type: ignore[union-attr]
 
 
 def test_incident_becomes_a_valid_event() -> None:

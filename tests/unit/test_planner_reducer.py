@@ -234,3 +234,20 @@ def test_a_shrink_with_no_joiner_names_the_ranks_left_out_and_a_replacement_name
     assert state.plan.shrunk == [1]  # an NCCL communicator may be shrunk: the survivors keep their order
     state, _ = R.step(started(R), failed("w1", 1, 1), T0 + 10)  # the spare takes the rank: a joiner
     assert state is not None and state.plan is not None and state.plan.shrunk == []
+
+
+def test_a_restart_job_restarts_once_for_the_exits_of_one_generation() -> None:
+    """Restart recovery: every member of a broken group exits; those whose exit is judged
+    after the re-form ran the old generation, which that re-form already restarts."""
+    from phalanx.contract import Recovery
+
+    state, _ = R.step(None, join(spec(3, 1, recovery=Recovery.RESTART)), T0)
+    for i in range(4):
+        state, _ = R.step(state, registered(f"w{i}", Role.RANK if i < 3 else Role.SPARE), T0)
+    state, _ = R.step(state, failed("w1", 1, 1, incident="a"), T0 + 10)
+    assert state is not None and state.plan is not None and state.plan.generation == 2
+    state, effects = R.step(state, failed("w2", 2, 1, incident="b"), T0 + 10.1)  # crossed the plan
+    assert state is not None and state.plan is not None and state.plan.generation == 2
+    assert [d.decision.action for d in of(effects, Decided)] == [Action.HOLD] and not of(effects, Announce)
+    state, _ = R.step(state, failed("w2", 2, 2, incident="c"), T0 + 20)  # generation 2's own exit
+    assert state is not None and state.plan is not None and state.plan.generation == 3

@@ -196,6 +196,11 @@ def test_a_restart_job_keeps_its_members_when_a_process_ends_on_a_live_node() ->
     state.plan = Plan(job="j", generation=1, members=members, reason="start", store_prefix="p")
     exited = ReplaceOrShrink().on_fault(state, Fault("i1", "w1", "process_exit", False))
     assert exited.action is Action.REFORM and exited.members == members and not exited.spares_used
+    assert ReplaceOrShrink().on_fault(state, Fault("i1", "w1", "process_exit", False, 1)) == exited
+    # A process of generation 0 ending once generation 1 is planned (its exit crossed the
+    # plan): generation 1 restarts it anyway, so no second restart is spent on it.
+    late = ReplaceOrShrink().on_fault(state, Fault("i4", "w1", "process_exit", False, 0))
+    assert late.action is Action.HOLD and late.members is None and "generation 1 already" in late.reason
     hung = ReplaceOrShrink().on_fault(state, Fault("i2", "w1", "heartbeat_lost", True))
     assert hung.action is not Action.REFORM  # a hung process may be its node's trouble: the spares' rule
     in_process = JobState(spec=spec.model_copy(update={"recovery": Recovery.IN_PROCESS}), spares=["w2"])

@@ -112,6 +112,7 @@ class Incident(_State):
     node: str = ""  # ... or a node lost
     cause: str
     hung: bool = False
+    generation: int | None = Field(default=None, description="The generation a rank's verdict is on.")
     cause_class: str = Field(description="The metrics' cause label (crash, hang, node_lost, ...).")
     fault_at: float = 0.0
     detected_at: float = 0.0

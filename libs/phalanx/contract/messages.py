@@ -117,6 +117,15 @@ class RankExited(JobMessage):
     exit_code: int | None = None
     signal: int | None = None
     exited_at: float
+    generation: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Restart recovery: the generation the process ran the script for (a process per "
+            "generation); its exit after a newer plan is no fault of that plan. None: the process "
+            "lives across generations (in-process recovery) or is a spare."
+        ),
+    )
 
 
 class CollectiveError(JobMessage):

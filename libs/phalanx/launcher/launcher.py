@@ -345,6 +345,7 @@ class Launcher:
             exit_code=rc if rc >= 0 else None,
             signal=-rc if rc < 0 else None,
             exited_at=w.exited_at,
+            generation=w.generation if self.config.recovery is Recovery.RESTART else None,
         )
         self.log.info("worker_exited", worker=w.name, pid=w.proc.pid, returncode=rc)
         if not self._done.is_set():
