@@ -39,14 +39,17 @@ def join(ctx: Ctx, msg: JobSpec, prior: JobState | None, offered: int, sched_seq
         ctx.emit(Reply(answer, None))
         return prior if not state.nodes else state  # a refused first node opens no run
     workers = names_for(state, msg)
-    state.nodes[msg.node] = NodeState(
-        launcher=msg.launcher,
-        host=msg.host,
-        store_addr=msg.store_addr,
-        workers=workers,
-        ranks=msg.ranks,
-        slots=len(workers),
-        reserve=len(workers) - (0 if state.phase is not JobPhase.WAITING else msg.ranks),
+    state.put_node(
+        msg.node,
+        NodeState(
+            launcher=msg.launcher,
+            host=msg.host,
+            store_addr=msg.store_addr,
+            workers=workers,
+            ranks=msg.ranks,
+            slots=len(workers),
+            reserve=len(workers) - (0 if state.phase is not JobPhase.WAITING else msg.ranks),
+        ),
     )
     state.offered[msg.node] = offered  # offers made before this node joined are not for this job
     state.sched_seq = max(state.sched_seq, sched_seq)

@@ -11,14 +11,14 @@ for so a resumed watch starts close to now):
   ``phalanx.io/unhealthy``, with a truthy value). A :class:`CapacityChanged` when
   it changes (``offered`` stays empty: that is the local cluster's). A node running
   job pods that turns NotReady, cordoned (a drain is coming) or unhealthy gives a
-  :class:`PreemptionNotice` for the workers of those pods, ``nodes=[node]``, with
-  their termination grace as the deadline;
+  :class:`PreemptionNotice` for the workers of those pods, ``nodes=[node]`` (and
+  their Phalanx nodes, see below), with their termination grace as the deadline;
 - the job's pods (``PHALANX_K8S_POD_SELECTOR`` in the namespace): a
   ``DisruptionTarget`` condition (scheduler preemption, eviction, taint manager,
   node shutdown), a deletion in progress, or a disappearance while running gives a
   notice for the pod's workers (label ``phalanx.io/worker`` or annotation
-  ``phalanx.io/workers``), job (label ``phalanx.io/job``) and node, with the pod's
-  grace period as the deadline;
+  ``phalanx.io/workers``) or its Phalanx node (annotation ``phalanx.io/node-id``),
+  job (label ``phalanx.io/job``) and node, with the pod's grace period as the deadline;
 - pending pods (the namespace, or every namespace with
   ``PHALANX_K8S_ALL_NAMESPACES=1``): a pod that is not a job pod, of higher
   priority than job pods, requesting the slot resource that no usable node has
@@ -31,6 +31,13 @@ announced back from the stream). Everything but a pod vanishing while running is
 worked out from the current state after every event and every list, so a list
 after a 410 or an error misses nothing. An object the watch cannot use (no
 metadata, no name) is logged and skipped.
+
+A pod running a launcher (``phalanx run``) cannot name its workers in its
+template: an Indexed Job's pods share one, and the planner renames the workers of
+a launcher that replaces one (``<node>-w3``.. after ``-w0``..) and names the spares
+it starts. So such a pod names its launcher's ``--node-id`` instead (annotation
+``phalanx.io/node-id``, see :func:`pod_node`), and its notices carry that node in
+``nodes``: the planner takes every worker it has there, whatever their names.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 JOB_LABEL = "phalanx.io/job"
 WORKER_LABEL = "phalanx.io/worker"
 WORKERS_ANNOTATION = "phalanx.io/workers"  # a pod running several workers (phalanx run): w0,w1,...
+NODE_ANNOTATION = "phalanx.io/node-id"  # a pod running a launcher: its --node-id, or "hostname"
 HEALTH_LABEL = "phalanx.io/unhealthy"
 PENDING = "status.phase=Pending"
 _FALSE = ("", "0", "false", "no", "off")
@@ -147,6 +155,21 @@ def pod_workers(pod: dict[str, Any]) -> list[str]:
     return [w.strip() for w in listed.split(",") if w.strip()]
 
 
+def pod_node(pod: dict[str, Any]) -> str:
+    """The Phalanx node (the launcher's ``--node-id``) a pod runs, ``""`` if it names none.
+
+    Annotation ``phalanx.io/node-id``: ``hostname`` means the pod's hostname, which
+    is ``spec.hostname`` when its controller sets one (an Indexed Job's
+    ``<job>-<index>``, a StatefulSet's pod name), else the pod's name; any other
+    value is the node id itself (a pod of its own, not from a shared template).
+    """
+    meta = pod.get("metadata") or {}
+    value = str((meta.get("annotations") or {}).get(NODE_ANNOTATION, "")).strip()
+    if value == "hostname":
+        return str((pod.get("spec") or {}).get("hostname") or meta.get("name") or "")
+    return value
+
+
 def worker_order(worker: str) -> tuple[str, int, str]:
     """Sort key of worker names: ``w2`` before ``w10``."""
     m = re.match(r"^(.*?)(\d+)$", worker)
@@ -199,6 +222,7 @@ class PodPreemption:
     reason: str
     node: str = ""
     namespace: str = ""
+    phalanx_node: str = ""  # the launcher's --node-id (pod_node), "" if the pod names none
 
     def reclaim(self) -> Reclaim:
         where = f"{self.namespace}/{self.pod}" if self.namespace else self.pod
@@ -206,7 +230,9 @@ class PodPreemption:
             key=self.uid,
             job=self.job,
             workers=list(self.workers),
-            nodes=[],  # the pod's workers leave, not every worker on its node
+            # the pod's workers leave, not every worker on its Kubernetes node; a pod's
+            # Phalanx node is its launcher's, whose workers are all in this pod
+            nodes=[self.phalanx_node] if self.phalanx_node else [],
             deadline_s=self.deadline_s,
             reason=f"pod {where}{' on ' + self.node if self.node else ''}: {self.reason}",
         )
@@ -246,6 +272,7 @@ def pod_preemption(pod: dict[str, Any], event_type: str = "MODIFIED") -> PodPree
         reason=reason,
         node=_node_of(pod),
         namespace=meta.get("namespace", ""),
+        phalanx_node=pod_node(pod),
     )
 
 
@@ -382,6 +409,7 @@ class PodTracker:
 def _reclaims_by_job(
     key: str, pods: list[dict[str, Any]], nodes: list[str], reason: str, always_suffix: bool
 ) -> list[Reclaim]:
+    """One notice per job of ``pods``: their workers, ``nodes`` and their Phalanx nodes."""
     by_job: dict[str | None, list[dict[str, Any]]] = {}
     for p in pods:
         by_job.setdefault(_job_of(p), []).append(p)
@@ -393,7 +421,7 @@ def _reclaims_by_job(
                 key=f"{key}{suffix}",
                 job=job,
                 workers=sorted({w for p in group for w in pod_workers(p)}, key=worker_order),
-                nodes=nodes,
+                nodes=list(dict.fromkeys([*nodes, *sorted({pod_node(p) for p in group} - {""})])),
                 deadline_s=min(_grace(p) for p in group),
                 reason=reason,
             )

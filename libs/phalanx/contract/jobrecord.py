@@ -220,9 +220,10 @@ class JobState(_State):
         """The node ``worker`` was started on (None: no worker of this job), from an index:
         a lookup per worker must not scan every node's workers (18,000 at 16k ranks).
 
-        Workers are only ever added to a node (joins, spawns), never moved or removed, so
-        an indexed answer stays right; a name the index lacks rebuilds it once the number
-        of workers changed since it was built."""
+        Workers are only ever added to a node (spawns) or the node is replaced whole by
+        :meth:`put_node` (a launcher joining, or rejoining as a lost node's name with
+        other workers), which drops the index; a name the index lacks rebuilds it once
+        the number of workers changed since it was built."""
         node = self._nodes_index.get(worker)
         return node if node is not None else self.worker_nodes().get(worker)
 
@@ -234,6 +235,11 @@ class JobState(_State):
             self._nodes_index = {w: n for n, s in self.nodes.items() for w in s.workers}
             self._indexed = total
         return self._nodes_index
+
+    def put_node(self, name: str, node: NodeState) -> None:
+        """Add ``node`` as ``name``, or replace the node of that name (its workers too)."""
+        self.nodes[name] = node
+        self._indexed = -1
 
     _nodes_index: dict[str, str] = PrivateAttr(default_factory=dict)
     _indexed: int = PrivateAttr(default=-1)
