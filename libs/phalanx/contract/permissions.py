@@ -311,6 +311,9 @@ def permissions(
             sub.append(scoped(s))
     if r.service:
         pub.append(HEALTH.format(service=r.service))  # its own probe (the health check in its container)
+    if role == LAUNCHER:
+        # phalanx run asks the services whether they answer before it starts its workers
+        pub += [HEALTH.format(service=svc) for svc in SERVICES]
     # JetStream: look at the streams (a job's users: only at their record), consume its own streams.
     if job is None:
         for stream in ALL_STREAMS:
