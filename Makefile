@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: venv test test-fast demo bench-detect bench-recovery bench-user-loop bench-unmodified bench-sharded bench-failover bench-elastic bench-checkpoint proto proto-check lint typecheck clean corpus
+.PHONY: venv test test-fast demo engine images test-docker bench-detect bench-recovery bench-user-loop bench-unmodified bench-sharded bench-failover bench-elastic bench-checkpoint proto proto-check lint typecheck clean corpus
 
 venv: $(STAMP)
 
@@ -25,6 +25,19 @@ test-fast: venv
 
 demo: venv
 	$(PY) -m phalanx.devstack.demo
+
+# A private Docker engine (Debian's docker.io, installed when missing; no bridge, no
+# iptables, its data under /tmp/phalanx-engine, removed on Ctrl-C): see deploy/README.md
+engine: venv
+	$(PY) -m phalanx.devstack.engine /tmp/phalanx-engine
+
+# Phalanx's images into the engine at DOCKER_HOST (`make engine` prints it)
+images: venv
+	$(PY) -m phalanx.devstack.images
+
+# The Docker tests alone: their own private engine, the images, compose, testcontainers
+test-docker: venv
+	$(PY) -m pytest -m docker
 
 bench-detect: venv
 	$(PY) -m bench.detect

@@ -23,12 +23,16 @@ from pathlib import Path
 
 import pytest
 
-from _docker import docker_available  # tests/ is on sys.path (rootdir conftest)
+from _docker import (  # tests/ is on sys.path (rootdir conftest)
+    docker_available,
+    docker_engine,
+    phalanx_images,
+)
 from phalanx.bus import Bus
 from phalanx.devstack.natsserver import NatsServer
 from phalanx.devstack.s3server import S3Server
 
-__all__ = ["docker_available"]
+__all__ = ["docker_available", "docker_engine", "phalanx_images"]
 
 
 @pytest.fixture

