@@ -48,18 +48,16 @@ def docker_engine() -> Iterator[Engine]:
         engine = Engine.attach(Path(attach)) if attach else start_engine()
     except EngineUnavailable as exc:
         pytest.skip(f"no private Docker engine here: {exc}")
-    saved = {k: os.environ.get(k) for k in ("DOCKER_HOST", "DOCKER_BUILDKIT", "TESTCONTAINERS_RYUK_DISABLED")}
+    env = pytest.MonkeyPatch()  # session-wide, undone below
+    env.setenv("DOCKER_HOST", engine.host)
+    env.setenv("DOCKER_BUILDKIT", "0")
     # Ryuk (testcontainers' reaper) is an image from Docker Hub: none can be pulled here,
     # and the engine's teardown removes every container anyway
-    os.environ.update(DOCKER_HOST=engine.host, DOCKER_BUILDKIT="0", TESTCONTAINERS_RYUK_DISABLED="true")
+    env.setenv("TESTCONTAINERS_RYUK_DISABLED", "true")
     try:
         yield engine
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        env.undo()
         engine.stop()
 
 
