@@ -109,13 +109,7 @@ class Engine:
         self, *args: str, timeout: float = 600, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
         """Run the docker CLI against this engine; raise with its output on failure when ``check``."""
-        docker = _which("docker")
-        if docker is None:
-            raise EngineUnavailable("no docker client")
-        out = subprocess.run([docker, *args], capture_output=True, text=True, env=self.env(), timeout=timeout)
-        if check and out.returncode != 0:
-            raise RuntimeError(f"docker {' '.join(args)} exited {out.returncode}:\n{out.stdout}{out.stderr}")
-        return out
+        return docker_cli(*args, env=self.env(), timeout=timeout, check=check)
 
     def stop(self) -> None:
         """SIGTERM the engine (its containers end with it), SIGKILL after 20 s, remove its data."""
@@ -141,6 +135,21 @@ def _unmount_under(root: Path) -> None:
         points = [line.split()[1].encode().decode("unicode_escape") for line in f]
     for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
         subprocess.run(["umount", "-l", point], capture_output=True)
+
+
+def docker_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 600, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """The docker CLI with ``env`` (default: this process's, with the legacy builder, which
+    needs no BuildKit frontend image); raise with its output on failure when ``check``."""
+    docker = _which("docker")
+    if docker is None:
+        raise EngineUnavailable("no docker client")
+    env = {**os.environ, "DOCKER_BUILDKIT": "0"} if env is None else env
+    out = subprocess.run([docker, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"docker {' '.join(args)} exited {out.returncode}:\n{out.stdout}{out.stderr}")
+    return out
 
 
 def _kill_strays(root: Path) -> None:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from phalanx.devstack.engine import docker_cli, ensure_tools
 from phalanx.devstack.natsserver import find_binary
 
 SUITE = "bookworm"
@@ -99,8 +100,6 @@ def base_tarball() -> tuple[Path, bool]:
     tar = cache_dir() / f"base-{SUITE}-{base_key()}.tar"
     if tar.is_file():
         return tar, True
-    from phalanx.devstack.engine import ensure_tools
-
     ensure_tools(["debootstrap"])
     with tempfile.TemporaryDirectory(prefix="phx-rootfs-") as tmp:
         rootfs = Path(tmp) / "rootfs"
@@ -230,17 +229,8 @@ def _run(cmd: list[str], timeout: float) -> None:
         raise RuntimeError(f"`{' '.join(cmd[:3])} ...` exited {out.returncode}:\n{tail}")
 
 
-def cli_docker(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """The docker CLI against ``DOCKER_HOST`` (the legacy builder: no BuildKit frontend to pull)."""
-    env = {**os.environ, "DOCKER_BUILDKIT": "0"}
-    out = subprocess.run(["docker", *args], capture_output=True, text=True, env=env, timeout=timeout)
-    if check and out.returncode != 0:
-        raise RuntimeError(f"docker {' '.join(args)} exited {out.returncode}:\n{out.stdout}{out.stderr}")
-    return out
-
-
 def main() -> None:
-    for built in build_all(cli_docker):
+    for built in build_all(docker_cli):  # against DOCKER_HOST
         print(built.line(), flush=True)
 
 
