@@ -156,6 +156,8 @@ def _kill_strays(root: Path) -> None:
     """containerd shims of this engine outlive a killed dockerd; end them by their root."""
     out = subprocess.run(["pgrep", "-f", str(root)], capture_output=True, text=True)
     for pid in out.stdout.split():
+        if int(pid) == os.getpid():  # `python -m phalanx.devstack.engine ROOT` names the root too
+            continue
         try:
             os.kill(int(pid), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
