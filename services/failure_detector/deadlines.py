@@ -277,8 +277,16 @@ class Deadlines:
                 if x.workers:
                     nodes.add(x.node)
                     workers.update(w for w, _ in x.workers if (job, w) in tracked)
-            else:
+            elif x is first or not heard_lately(x):
                 workers.add(x.worker)
+
+        def heard_lately(w: Worker) -> bool:
+            # A worker whose node's last two digests carried news of it is heard, however
+            # close its deadline looks: a heartbeat reaches the detector up to a digest
+            # interval after it was sent, so a live worker's deadline can be less than
+            # one interval away just before its node's next digest.
+            n = known.get(w.node) if w.node is not None else None
+            return n is not None and w.heard_digest >= n.last_seq - 1
 
         add(first)
         heap = self.heap

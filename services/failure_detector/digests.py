@@ -112,7 +112,7 @@ class Digests:
                 w.intervals.add((at - last if at > last else 0.0) / (seq - w.last_seq))
             w.last_arrival, w.last_wall, w.last_seq = (at if at > last else last), at_wall, seq
             w.declared_s = interval_ms / 1e3 or interval  # its own interval when the launcher knows it
-            w.node, w.digest_s = key, interval
+            w.node, w.digest_s, w.heard_digest = key, interval, n.last_seq
             w.rank, w.generation, w.host = rank, generation, n.host
             w.bound_ms = bound
             # what Rules.learn(..., fresh=False) does, inline (keep the two in step)
@@ -221,7 +221,7 @@ class Digests:
                 w.gap_from = None
                 last = w.last_arrival
                 w.last_arrival, w.last_wall, w.last_seq = (at if at > last else last), at_wall, seq
-                w.rank, w.generation, w.bound_ms = rank, generation, bound_ms
+                w.rank, w.generation, w.bound_ms, w.heard_digest = rank, generation, bound_ms, n.last_seq
                 self._rules.learn(w, phase, phase_ms, step, step_ms, at, at_wall, False)
                 self._deadlines.schedule_worker(w)
                 return True
@@ -236,7 +236,7 @@ class Digests:
         w = tracking.new_worker(
             n.job, worker, pid, n.host, rank, generation, step, seq, interval, at, at_wall
         )
-        w.node, w.digest_s, w.bound_ms = n.key, digest_s, bound_ms
+        w.node, w.digest_s, w.bound_ms, w.heard_digest = n.key, digest_s, bound_ms, n.last_seq
         w.seq_interval = interval_ms / 1e3  # (0 when the launcher does not know it: learned first)
         self._rules.learn(w, phase, phase_ms, step, step_ms, at, at_wall, True)
         self._deadlines.schedule_worker(w)

@@ -52,6 +52,8 @@ class Worker(Beat):
     generation: int
     node: tuple[str, str] | None = None
     """(job, node) whose digests carry this worker; None for a worker heard directly."""
+    heard_digest: int = -1
+    """``seq`` of the last digest of its node that carried news of it (-1: none)."""
     step: int = 0
     step_ms: float = 0.0
     steps: deque[float] = field(default_factory=deque)
@@ -191,14 +193,17 @@ class Tracking:
             del self.workers[w.key]
 
     def lose_node(self, n: Node) -> bool:
-        """Untrack a silent node and close it; with workers (closed too: lost with the
-        node, no verdict of their own) True, for an empty one (a launcher that
-        finished) False."""
+        """Untrack a silent node; with workers, close it and them (lost with the node,
+        no verdict of their own) and return True. An empty one (a launcher that
+        finished, or one that has not heard its first worker yet) is only forgotten,
+        not closed: False. Its digests, should they come again, are a node tracked
+        afresh -- closing it would ignore them for good, and a launcher that was
+        slow for a moment at its job's start would leave its workers unjudged for
+        the whole job (a stopped rank found by nobody)."""
         del self.nodes[n.key]
         iid = node_incident_id(n.job, n.node, n.launcher)
         if not n.workers:
             self._stats.nodes_left += 1
-            self.close(iid, "left")
             return False
         for worker, pid in n.workers:
             w = self.workers.get((n.job, worker))

@@ -821,6 +821,45 @@ def test_done_entries_and_empty_nodes_make_no_verdict() -> None:
     assert det.stats.nodes_left == 1 and list(det.nodes()) == []
 
 
+def test_a_launcher_silent_before_its_workers_heartbeat_still_has_its_stopped_rank_judged() -> None:
+    """What made ``make demo`` fail once in two runs: a launcher, busy forking its
+    workers, sent empty digests and then none for longer than its node's deadline;
+    the empty node was forgotten *and closed*, every later digest of that launcher
+    was ignored, and a rank SIGSTOPped later in the job got no verdict at all."""
+    det, clock = make()
+    node = SimNode(det, clock, 0, random.Random(5), ranks=4)
+    node.frozen = {0, 1, 2, 3}  # workers still starting: the digests list nobody
+    assert drive(clock, det, [node], 1.0) == []
+    node.silent = True  # the launcher stalls (CPU starved while it forks)
+    assert drive(clock, det, [node], 1.0) == []
+    assert det.stats.nodes_left == 1 and list(det.nodes()) == []
+    node.silent, node.frozen = False, set()  # it speaks again, its workers heartbeat
+    assert drive(clock, det, [node], 2.0) == []
+    assert sorted(w for _, w, _ in det.tracked()) == [f"n0-w{j}" for j in range(4)]
+    node.frozen = {1}  # SIGSTOP
+    stopped = clock.monotonic()
+    [(at, hung)] = drive(clock, det, [node], 2.0)
+    assert isinstance(hung, Incident) and hung.worker == "n0-w1" and hung.cause is FaultCause.HEARTBEAT_LOST
+    assert at - stopped < 4 * I
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_one_stopped_rank_among_live_ones_is_no_mass_silence(seed: int) -> None:
+    """Live workers heard in their node's digests are never counted into a mass
+    silence, however their heartbeats and the digests are phased (a live worker's
+    deadline can be less than an interval away just before the next digest): one
+    stopped rank is judged in about 3 intervals, not held for ``mass_hold_s``."""
+    det, clock = make()
+    rng = random.Random(seed)
+    node = SimNode(det, clock, 0, rng, ranks=4, jitter=0.3 * I)
+    assert drive(clock, det, [node], 1.0 + rng.uniform(0, I)) == []
+    node.frozen = {rng.randrange(4)}
+    stopped = clock.monotonic()
+    [(at, hung)] = drive(clock, det, [node], 2.0)
+    assert hung.cause is FaultCause.HEARTBEAT_LOST and det.stats.mass_holds == 0
+    assert at - stopped < 4 * I
+
+
 def test_digest_ignores_repeats_and_a_replaced_launcher_takes_over() -> None:
     det, clock = make()
     node = SimNode(det, clock, 0, random.Random(4), ranks=1)

@@ -271,7 +271,7 @@ def test_a_lost_node_closes_its_workers_and_an_empty_one_is_forgotten() -> None:
     p = Pieces()
     empty = p.node("n0")
     assert not p.tracking.lose_node(empty) and p.stats.nodes_left == 1
-    assert p.tracking.closed[node_incident_id("j1", "n0", "l0")] == "left"
+    assert node_incident_id("j1", "n0", "l0") not in p.tracking.closed  # its digests may come again
     n = p.node("n1")
     p.worker("w0", pid=7)
     p.worker("w1", pid=9)
