@@ -42,14 +42,15 @@ its tensor lives: gradients and state buffers over NCCL, the rest over gloo.
 The NCCL communicator is built eagerly, on ``device``, when the
 ``Group`` is (its cost shows in ``comm_init``, not in the first step).
 
-Teardown, gloo: by dropping references (:meth:`Group.destroy`): the
-gloo destructor closes its TCP pairs, which makes every peer still blocked in a
-collective fail with "Connection closed by peer" within tens of ms (the cascade
-measured in docs/recovery.md, "What gloo does when a peer dies"). gloo has no
-working abort for an in-flight op (same section), so every collective also
-carries a per-op timeout as a backstop, and :meth:`Group.abort` on gloo
-only marks the communicator aborted: the op in flight still ends by the cascade
-or its timeout, then fails.
+Teardown, gloo: gloo's own ``abort()`` does nothing to an op in flight
+(docs/recovery.md, "What gloo does when a peer dies"), so :meth:`Group.abort`
+shuts down the TCP sockets the group opened while it was built
+(:class:`~phalanx.worker.sever.SocketSet`, noted around gloo's connect): the op
+blocked in them fails with "Connection closed by peer" within a millisecond, from
+any thread, and every peer at the other end of a pair fails the same way (the
+cascade). :meth:`Group.destroy` cuts them too before it drops the references, so a
+reference that outlives the group (a ``Work`` in a future) cannot keep peers
+waiting. Every collective still carries a per-op timeout as the backstop.
 
 Teardown, NCCL: :meth:`Group.abort` calls the backend's abort
 (``ncclCommAbort``), from any thread; a collective blocked in another thread
@@ -101,6 +102,7 @@ import functools
 import math
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -128,10 +130,12 @@ from phalanx.runtime.rendezvous import (
     Waiters,
     arrival_barrier_any,
     gloo_backend,
+    lazy_gloo,
     plan_stores,
 )
 from phalanx.telemetry import get_logger
 from phalanx.worker.addr import split_addr
+from phalanx.worker.sever import SocketSet
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -156,6 +160,16 @@ def connect_store(addr: str, timeout_s: float = 30.0) -> dist.TCPStore:
     """A client of a store at ``host:port``."""
     host, port = split_addr(addr)
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
+
+
+def _endpoints(addr: str) -> frozenset[tuple[str, int]]:
+    """The ``(ip, port)`` pairs a connection to ``host:port`` may show as its peer."""
+    host, port = split_addr(addr)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return frozenset()
+    return frozenset((str(info[4][0]), port) for info in infos)
 
 
 def generation_store(store: dist.Store, secret: str) -> dist.Store:
@@ -264,6 +278,7 @@ class Group:
         device: torch.device | None = None,
         connect_timeout_s: float | None = None,
         shrink: ShrinkRequest | None = None,
+        spared: frozenset[tuple[str, int]] = frozenset(),
     ) -> None:
         """``timeout_s``: the bound of an op that is given none (the backstop);
         ``connect_timeout_s`` (default ``timeout_s``): how long connecting to the
@@ -282,7 +297,11 @@ class Group:
         ``shrunk`` (:mod:`phalanx.runtime.nccl_shrink`); this group owns it from
         here and shrinks or aborts it. Every member of a generation passes one or
         none alike (the members vote over gloo). ``nccl_built`` says which way the
-        NCCL backend came about."""
+        NCCL backend came about.
+
+        ``spared``: ``(ip, port)`` endpoints whose connections are never the group's
+        (the stores a rank may connect to while the group is built); :meth:`abort`
+        leaves them alone."""
         self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
@@ -299,8 +318,11 @@ class Group:
             shrink = None
         pstore = dist.PrefixStore(f"{prefix}/pg", store)
         connect = self.timeout if connect_timeout_s is None else timedelta(seconds=connect_timeout_s)
+        self._sockets = SocketSet(spared, late=lazy_gloo(world_size))
+        self._sockets.note_before()
         try:  # eager full mesh for small groups, pairs on first use for large ones
             backend = gloo_backend(pstore, rank, world_size, connect, bind)
+            self._sockets.note_after()
         except Exception as exc:  # DistStoreError, gloo connect errors
             if shrink is not None:
                 shrink.release()
@@ -391,11 +413,6 @@ class Group:
         return self._pg
 
     @property
-    def abortable(self) -> bool:
-        """Whether :meth:`abort` can end an op in flight (NCCL can; gloo cannot)."""
-        return self._nccl is not None
-
-    @property
     def aborted(self) -> bool:
         """:meth:`abort` was called: every op from now on (and one in flight) fails."""
         return self._aborted
@@ -404,9 +421,10 @@ class Group:
         """End this communicator now, from any thread; never raises.
 
         NCCL: ``ncclCommAbort`` through the backend, which releases an op blocked in
-        another thread (that op then raises :class:`CommError`). gloo cannot abort an
-        op in flight (docs/recovery.md): this only marks the communicator aborted, and
-        the op ends by the destroy cascade of a peer or its per-op timeout, then fails.
+        another thread (that op then raises :class:`CommError`). gloo: the group's
+        sockets are shut down (:class:`~phalanx.worker.sever.SocketSet`), so an op
+        blocked in another thread fails at once, and so do the peers' ops with this
+        rank (its ``abort()`` does nothing to an op in flight: docs/recovery.md).
         """
         with self._lock:
             if self._aborted:
@@ -415,12 +433,18 @@ class Group:
             nccl = self._nccl
         if nccl is not None:
             _abort_quietly(nccl, self.prefix)
+        t0 = time.monotonic()
+        cut = self._sockets.cut()
+        if cut:
+            _log.info("comm_cut", prefix=self.prefix, sockets=cut, ms=round((time.monotonic() - t0) * 1e3, 2))
 
     def destroy(self) -> None:
         """Drop the group at once: NCCL is aborted first (never a graceful shutdown that
-        waits for work in flight); gloo's sockets close and blocked peers fail fast."""
+        waits for work in flight); gloo's sockets are cut, so blocked peers fail fast
+        even while a reference to the group lives on somewhere (a ``Work``)."""
         if self._nccl is not None:
             self.abort()
+        self._sockets.cut()
         self._pg = None
         self._backend = None
         self._nccl = None
@@ -444,7 +468,8 @@ class Group:
                 raise CommError(f"communicator {self.prefix} was aborted during the op")
             return
         except Exception as exc:
-            msg = f"{what} on {self.prefix} failed: {_scrubbed(exc, self.prefix)}"
+            how = "was aborted" if self._aborted else "failed"
+            msg = f"{what} on {self.prefix} {how}: {_scrubbed(exc, self.prefix)}"
         # The Work object and a chained traceback would keep the group (and its
         # sockets) alive; peers blocked on us are only released once it is gone.
         work = None
@@ -542,6 +567,7 @@ class Communicator:
         self.rank = -1
         self.world_size = 0
         self._stores: dict[str, dist.Store] = {}
+        self._spared: frozenset[tuple[str, int]] = frozenset()  # the stores' endpoints: never a group's
         self._waiters: dict[str, Waiters] = {}  # second clients for the arrival's wait, by address
         self._spread: SpreadStore | None = None  # the generation's keys over several stores, if so
         self._lock = threading.Lock()  # the group, as another thread (an abort) sees it
@@ -567,6 +593,7 @@ class Communicator:
         try:
             if store is None:
                 store = self._stores[addr] = connect_store(addr, self.store_connect_s)
+                self._spared |= _endpoints(addr)
             if spare and addr not in self._waiters:
                 waiters = self._waiters[addr] = Waiters(lambda: connect_store(addr, self.store_connect_s))
                 waiters.give(waiters.take())
@@ -645,6 +672,7 @@ class Communicator:
                         bind=self.bind,
                         device=self.device,
                         connect_timeout_s=connect_s,
+                        spared=self._spared,
                     )
                 )
         except CommError:
@@ -709,6 +737,7 @@ class Communicator:
                 device=self.device,
                 connect_timeout_s=connect_s,
                 shrink=shrink,
+                spared=self._spared,
             )
         finally:
             if shrink is not None:
@@ -735,12 +764,6 @@ class Communicator:
     def prefix(self) -> str:
         group = self._group
         return group.prefix if group is not None else ""
-
-    @property
-    def abortable(self) -> bool:
-        """Whether :meth:`abort` can end an op in flight (NCCL can; gloo cannot)."""
-        group = self._group
-        return group is not None and group.abortable
 
     def _shrink_request(self, plan: NodePlan | Plan) -> ShrinkRequest | None:
         """What the group of ``plan`` needs to try an NCCL shrink (it takes the parked

@@ -353,14 +353,13 @@ class Session:
 
     def _abort_on_newer_plan(self, plan: NodePlan) -> None:
         """From the agent's thread: a newer plan ends the generation the communicator
-        holds, so a collective blocked in it can only fail; NCCL is released now
-        instead of at its timeout. gloo cannot abort an op in flight: its ranks see
-        the plan at the next step's start, or their collective fails by the cascade
-        or its timeout."""
+        holds, so a collective blocked in it can only fail; it is released now
+        (NCCL's abort, gloo's sockets cut: :meth:`Group.abort`) instead of at its
+        bound. A planned plan waits for the step boundary and aborts nothing."""
         comm = self.comm
         generation = comm.generation
         planned = plan.planned and plan.generation == generation + 1  # waits for the step boundary
-        if comm.abortable and plan.generation > generation and not planned:
+        if comm.configured and plan.generation > generation and not planned:
             abort = functools.partial(comm.abort, below=plan.generation)
             threading.Thread(target=abort, name="phalanx-abort", daemon=True).start()
 
