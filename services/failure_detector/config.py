@@ -33,10 +33,20 @@ class DetectorConfig:
     """Absolute floor of sigma."""
     pause_ratio: float = 0.15
     """Acceptable extra pause, as a fraction of the mean interval, added to the mean."""
-    stall_floor_s: float = 5.0
+    stall_floor_s: float = 30.0
+    """A rank in COMPUTE with nobody waiting for it (every member in an evaluation
+    pass, a 1-rank job) stalls after ``max(stall_floor_s, stall_factor x its slowest
+    recent step)``: long, since a pause every member takes harms nobody; a rank its
+    peers wait for is judged by ``straggle_floor_s`` instead."""
     stall_factor: float = 4.0
     stall_initial_s: float = 60.0
     """Stall bound before the rank has reported any completed step."""
+    straggle_floor_s: float = 1.5
+    """A rank in COMPUTE while a peer of its generation waits in COLLECTIVE at the same
+    step is the straggler once in COMPUTE past ``max(straggle_floor_s, stall_factor x
+    max(the waiting peers' compute time of that step, its own slowest recent step))``,
+    and no sooner than half the floor after the first peer began to wait: the peers'
+    own pace of the step, not a constant, is the yardstick (a job's first step too)."""
     step_window: int = 20
     collective_slack_ratio: float = 0.25
     collective_slack_intervals: float = 2.0
@@ -73,7 +83,12 @@ class DetectorConfig:
             or self.digest_slack_ratio < 0
         ):
             raise ValueError("std floors must be positive and pause_ratio non-negative")
-        if self.stall_floor_s <= 0 or self.stall_factor <= 0 or self.stall_initial_s <= 0:
+        if (
+            self.stall_floor_s <= 0
+            or self.stall_factor <= 0
+            or self.stall_initial_s <= 0
+            or self.straggle_floor_s <= 0
+        ):
             raise ValueError("stall bounds must be positive")
         if self.seq_slack < 1 or not self.seq_rate >= 1.0:
             raise ValueError("seq_slack >= 1 and seq_rate >= 1 are required")

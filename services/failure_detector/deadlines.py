@@ -61,8 +61,6 @@ class Deadlines:
             live.min_std,
         )
         self._digest_slack, self._pause, self._z = live.digest_slack, live.pause, live.z
-        self._stall_floor, self._stall_factor = rules.stall_floor, rules.stall_factor
-        self._stall_initial = rules.stall_initial
 
     def push(self, at: float, kind: Kind, b: Worker | Node) -> None:
         heapq.heappush(self.heap, (at, next(self._counter), kind, b.key, b.token))
@@ -114,13 +112,8 @@ class Deadlines:
                 if check is None or at < check:
                     w.check_at = check = at
                     self.push(at, Kind.SILENCE, w)
-        if w.phase is Phase.COMPUTE:  # (stall_since and Rules.stall_bound, inline)
-            since = w.progress_at if w.progress_at > w.phase_start else w.phase_start
-            if w.steps:
-                bound = self._stall_factor * w.max_step_ms / 1e3
-                at = since + (bound if bound > self._stall_floor else self._stall_floor)
-            else:
-                at = since + self._stall_initial
+        if w.phase is Phase.COMPUTE:
+            at = self._rules.stall_at(w)
             stall_at = w.stall_at
             if stall_at is None or at < stall_at:
                 w.stall_at = at
@@ -218,7 +211,7 @@ class Deadlines:
                 elif w.last_arrival < hold:
                     real_stall = now + w.declared_s  # wait for a heartbeat after the hold to confirm
                 else:
-                    real_stall = w.stall_since[0] + self._rules.stall_bound(w)
+                    real_stall = self._rules.stall_at(w)
                 if real_stall is not None and real_stall <= now:
                     node = self.node_overdue(w, now)
                     if node is not None:  # no news of the node either: its verdict (or next digest) decides
@@ -244,14 +237,8 @@ class Deadlines:
                         w.stall_at = stall_at = self._rules.hang_at(w)
                     elif w.phase is not Phase.COMPUTE:
                         w.stall_at = stall_at = None
-                    elif last >= hold:  # (stall_since and Rules.stall_bound, inline)
-                        since = w.progress_at if w.progress_at > w.phase_start else w.phase_start
-                        if w.steps:
-                            bound = self._stall_factor * w.max_step_ms / 1e3
-                            bound = bound if bound > self._stall_floor else self._stall_floor
-                        else:
-                            bound = self._stall_initial
-                        w.stall_at = stall_at = since + bound
+                    elif last >= hold:
+                        w.stall_at = stall_at = self._rules.stall_at(w)
             if stall_at is not None and (silence_at is None or stall_at < silence_at):
                 nxt, kind = stall_at, Kind.STALL
             elif silence_at is not None:

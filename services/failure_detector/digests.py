@@ -88,7 +88,7 @@ class Digests:
         heard = 0
         tracked, hold = self._tracking.workers, self._live.hold_until
         slack = self._checks.seq_slack
-        recovering = Phase.RECOVERING
+        entered = self._rules.entered
         schedule = self._deadlines.schedule_worker
         for row in rows:
             worker, pid, seq, rank, generation, step, step_ms, phase, phase_ms, age_ms, interval_ms, bound = (
@@ -116,12 +116,14 @@ class Digests:
             w.rank, w.generation, w.host = rank, generation, n.host
             w.bound_ms = bound
             # what Rules.learn(..., fresh=False) does, inline (keep the two in step)
+            if step > w.step:
+                w.step_start = at
             if phase is not w.phase or phase_ms < w.phase_ms:
+                prev = w.phase
                 w.phase = phase
                 w.phase_start = at - phase_ms / 1e3
                 w.phase_start_wall = at_wall - phase_ms / 1e3
-                if phase is recovering:
-                    self._rules.mark_left(w)
+                entered(w, prev)
             w.phase_ms = phase_ms
             if step > w.step:
                 if step_ms > 0:

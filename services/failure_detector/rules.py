@@ -11,6 +11,16 @@
   phase (or the step in it) began. ``COLLECTIVE`` ranks are victims waiting on a
   stalled peer and are never judged by this rule; nor are ``IDLE`` spares or
   ``STARTING``/``RECOVERING`` ranks.
+- **straggler** (:meth:`Rules.stall_at`, the same ``step_stall`` verdict): a rank in
+  ``COMPUTE`` while a peer of its generation waits in ``COLLECTIVE`` at the same step
+  (:class:`Waiting`) is judged by its peers' pace instead of a constant: once in
+  ``COMPUTE`` past ``max(straggle_floor, stall_factor x max(the longest the waiting
+  peers took from their step's start to the collective, its own slowest recent
+  step))``, and no sooner than half the floor after the first peer began to wait.
+  The job's first step too: its peers' first step is the yardstick, so a slow
+  warm-up they share is no fault, and a rank spinning while they wait is found in
+  seconds. A pause every member takes together (an evaluation pass) leaves nobody
+  waiting and is judged by the stall rule only.
 - **collective hang** (:meth:`Rules.hang_at`, :meth:`Rules.hang_incident`): a rank
   in ``COLLECTIVE`` past its own per-op bound plus slack
   (:meth:`Rules.collective_bound`) while a peer of the same job and generation has
@@ -34,7 +44,20 @@ from phalanx.services.failure_detector.verdicts import Incident, NodeIncident
 
 from phalanx.contract import Evidence, FaultCause, Phase, RankExited
 
-__all__ = ["Left", "Rules"]
+__all__ = ["Left", "Rules", "Waiting"]
+
+
+@dataclass(slots=True)
+class Waiting:
+    """The workers of one (job, generation) heard waiting in COLLECTIVE at one step."""
+
+    step: int
+    """Steps they had completed (a straggler at the same count owes them this step)."""
+    since: float
+    """When (monotonic) the first of them entered COLLECTIVE."""
+    reach_s: float
+    """The longest any of them took from its step's start to the collective."""
+    workers: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -52,12 +75,15 @@ class Rules:
         self.stall_floor = config.stall_floor_s
         self.stall_factor = config.stall_factor
         self.stall_initial = max(config.stall_floor_s, config.stall_initial_s)
+        self.straggle_floor = config.straggle_floor_s
         self._slack_ratio = config.collective_slack_ratio
         self._slack_intervals = config.collective_slack_intervals
         self._live = live
         self.left: dict[tuple[str, int], Left] = {}
         """(job, generation) -> the workers heard RECOVERING in that generation: the
         peers that left its collectives."""
+        self.waiting: dict[tuple[str, int], Waiting] = {}
+        """(job, generation) -> the workers heard waiting in COLLECTIVE at its newest step."""
 
     # -- what the rules learn ------------------------------------------------------
     def learn(
@@ -72,13 +98,15 @@ class Rules:
         fresh: bool,
     ) -> None:
         """Learn ``w``'s phase and step from a heartbeat received at ``at``."""
+        if step > w.step:
+            w.step_start = at
         # A new phase, or the same one entered again between two heartbeats.
         if fresh or phase is not w.phase or phase_ms < w.phase_ms:
+            prev = w.phase
             w.phase = phase
             w.phase_start = at - phase_ms / 1e3
             w.phase_start_wall = at_wall - phase_ms / 1e3
-            if phase is Phase.RECOVERING:  # it left this generation's collectives
-                self.mark_left(w)
+            self.entered(w, prev)
         w.phase_ms = phase_ms
         if step > w.step:
             if step_ms > 0:
@@ -90,6 +118,30 @@ class Rules:
                     w.max_step_ms = max(w.steps)
             w.progress_at, w.progress_wall = at, at_wall
         w.step, w.step_ms = step, step_ms
+
+    def entered(self, w: Worker, prev: Phase) -> None:
+        """``w`` entered its phase (``w.phase``, since ``w.phase_start``) from ``prev``."""
+        phase = w.phase
+        if phase is Phase.RECOVERING:  # it left this generation's collectives
+            self.mark_left(w)
+        elif phase is Phase.COLLECTIVE:
+            self._note_waiting(w)
+        elif phase is Phase.COMPUTE and prev is not Phase.COLLECTIVE and prev is not Phase.COMPUTE:
+            w.step_start = w.phase_start  # a step begins after joining a generation
+
+    def _note_waiting(self, w: Worker) -> None:
+        key = (w.job, w.generation)
+        reach = w.phase_start - w.step_start if w.step_start > 0.0 else 0.0
+        reach = reach if reach > 0.0 else 0.0
+        rec = self.waiting.get(key)
+        if rec is None or rec.step < w.step:
+            self.waiting[key] = Waiting(w.step, w.phase_start, reach, {w.worker})
+        elif rec.step == w.step:
+            rec.workers.add(w.worker)
+            if w.phase_start < rec.since:
+                rec.since = w.phase_start
+            if reach > rec.reach_s:
+                rec.reach_s = reach
 
     def mark_left(self, w: Worker) -> None:
         """``w`` left its generation's collectives (it is RECOVERING since ``phase_start``)."""
@@ -104,6 +156,8 @@ class Rules:
         """Forget who left ``job``'s generations before ``generation``."""
         for key in [k for k in self.left if k[0] == job and k[1] < generation]:
             del self.left[key]
+        for key in [k for k in self.waiting if k[0] == job and k[1] < generation]:
+            del self.waiting[key]
 
     # -- bounds --------------------------------------------------------------------
     def stall_bound(self, w: Worker) -> float:
@@ -112,6 +166,35 @@ class Rules:
             return self.stall_initial
         bound = self.stall_factor * w.max_step_ms / 1e3
         return bound if bound > self.stall_floor else self.stall_floor
+
+    def straggling(self, w: Worker) -> Waiting | None:
+        """The peers waiting in COLLECTIVE for ``w``'s current step, if any (``w`` is
+        in COMPUTE and has not itself reached that collective)."""
+        rec = self.waiting.get((w.job, w.generation))
+        if rec is None or rec.step != w.step or w.worker in rec.workers:
+            return None
+        return rec
+
+    def straggle_bound(self, w: Worker, rec: Waiting) -> float:
+        """Seconds ``w`` may stay in COMPUTE while ``rec``'s peers wait for it."""
+        own = w.max_step_ms / 1e3
+        pace = rec.reach_s if rec.reach_s > own else own
+        bound = self.stall_factor * pace
+        return bound if bound > self.straggle_floor else self.straggle_floor
+
+    def stall_at(self, w: Worker) -> float:
+        """When a rank in COMPUTE is judged stalled: the stall rule's bound, or sooner
+        the straggler rule's while peers wait for it (module doc)."""
+        since = w.progress_at if w.progress_at > w.phase_start else w.phase_start
+        at = since + self.stall_bound(w)
+        rec = self.straggling(w)
+        if rec is not None:
+            straggle = since + self.straggle_bound(w, rec)
+            not_before = rec.since + 0.5 * self.straggle_floor
+            straggle = straggle if straggle > not_before else not_before
+            if straggle < at:
+                at = straggle
+        return at
 
     def collective_slack(self, w: Worker) -> float:
         """How late a rank may leave after its own timeout, or after a peer left, and be
@@ -191,11 +274,13 @@ class Rules:
     def stall_incident(self, w: Worker, rank: int, generation: int, now: float) -> Incident:
         """The verdict on a rank stalled in COMPUTE."""
         since, since_wall = w.stall_since
+        rec = self.straggling(w)
+        bound = self.stall_bound(w) if rec is None else min(self.stall_bound(w), self.straggle_bound(w, rec))
         evidence: Evidence = {
             "phase": w.phase.value,
             "phase_ms": round((now - since) * 1e3, 1),
             "reported_phase_ms": round(w.phase_ms, 1),
-            "bound_ms": round(self.stall_bound(w) * 1e3, 1),
+            "bound_ms": round(bound * 1e3, 1),
             "step": w.step,
             "step_ms": round(w.step_ms, 2),
             "max_recent_step_ms": round(max(w.steps), 2) if w.steps else 0.0,
@@ -204,6 +289,14 @@ class Rules:
             "phi": self._live.phi_now(w, now),
             "host": w.host,
         }
+        if rec is not None:  # judged by its peers' pace: they wait for it
+            peers = sorted(rec.workers)
+            evidence.update(
+                peers_waiting=",".join(peers[:8]) + (",..." if len(peers) > 8 else ""),
+                peers_waiting_count=len(peers),
+                waiting_ms=round((now - rec.since) * 1e3, 1),
+                peers_reach_ms=round(rec.reach_s * 1e3, 1),
+            )
         return Incident(w.job, w.worker, w.pid, rank, generation, FaultCause.STEP_STALL, since_wall, evidence)
 
     def hang_incident(self, w: Worker, rank: int, generation: int, now: float) -> Incident:

@@ -211,6 +211,7 @@ class ServiceConfig:
             stall_floor_s=s.stall_floor_s,
             stall_factor=s.stall_factor,
             stall_initial_s=s.stall_initial_s,
+            straggle_floor_s=s.straggle_floor_s,
             mass_hold_s=s.detector_mass_hold_s,
         )
         return cls(

@@ -65,6 +65,9 @@ class Worker(Beat):
     phase_start_wall: float = 0.0
     progress_at: float = 0.0
     progress_wall: float = 0.0
+    step_start: float = 0.0
+    """When its current step began, as far as heard: its last step's completion, or its
+    entry into COMPUTE from outside a step (a generation joined)."""
     bound_ms: float = 0.0
     """The per-op timeout of its current (or last) all-reduce, as it reported (0: none)."""
     stall_at: float | None = None

@@ -803,6 +803,44 @@ def test_step_stall_from_digest_entries_and_peers_in_collective_are_not_judged()
     assert sorted(w for _, w, _ in det.tracked()) == ["n0-w1", "n0-w2", "n0-w3"]
 
 
+def test_a_straggler_in_the_first_step_is_judged_by_its_peers_pace() -> None:
+    """Before any step completed (the old bound: stall_initial, 60 s), a rank in COMPUTE
+    while its peers wait in COLLECTIVE at the same step is judged once past
+    max(straggle_floor, factor x the peers' time to reach the collective)."""
+    det, clock = make()  # stall_floor 5 s, stall_initial 60 s
+    node = SimNode(det, clock, 0, random.Random(6), ranks=4, jitter=0.3 * I)
+    t0 = clock.monotonic()
+    node.stuck = {j: (Phase.COMPUTE, t0) for j in range(4)}  # step 1 starts everywhere
+    assert drive(clock, det, [node], 0.3) == []
+    waiting = clock.monotonic()
+    node.stuck.update({j: (Phase.COLLECTIVE, waiting) for j in (1, 2, 3)})  # w0 spins
+    [(at, stall)] = drive(clock, det, [node], 5.0)
+    assert isinstance(stall, Incident) and stall.cause is FaultCause.STEP_STALL and stall.worker == "n0-w0"
+    ev = stall.evidence
+    assert ev["peers_waiting_count"] == 3 and ev["peers_waiting"] == "n0-w1,n0-w2,n0-w3"
+    assert ev["bound_ms"] == 1500.0  # the floor: 4 x ~0.3 s of the peers' reach is less
+    assert 0.25 <= ev["peers_reach_ms"] / 1e3 <= 0.3 + 2 * I
+    assert t0 + 1.5 <= at <= t0 + 1.5 + 3 * I
+
+
+def test_a_straggler_bound_follows_the_peers_pace_and_a_shared_pause_is_no_fault() -> None:
+    det, clock = make(stall_floor_s=60.0)
+    node = SimNode(det, clock, 0, random.Random(7), ranks=4, jitter=0.3 * I)
+    t0 = clock.monotonic()
+    # a long step (an evaluation pass) every rank takes at once: nobody waits, nobody is judged
+    node.stuck = {j: (Phase.COMPUTE, t0) for j in range(4)}
+    assert drive(clock, det, [node], 8.0) == []
+    # the peers reach the collective after 8 s: w2, as slow as they were, is no straggler...
+    reached = clock.monotonic()
+    node.stuck.update({j: (Phase.COLLECTIVE, reached) for j in (0, 1, 3)})
+    assert drive(clock, det, [node], 20.0) == []
+    # ...until it has taken 4 x their 8 s
+    [(at, stall)] = drive(clock, det, [node], 10.0)
+    assert stall.worker == "n0-w2" and stall.evidence["peers_waiting_count"] == 3
+    assert stall.evidence["bound_ms"] == pytest.approx(4 * 8.0e3, abs=4e3 * 2 * I)
+    assert t0 + 32.0 - 2 * I <= at <= t0 + 32.0 + 10 * I
+
+
 def test_done_entries_and_empty_nodes_make_no_verdict() -> None:
     det, clock = make()
     node = SimNode(det, clock, 0, random.Random(1), ranks=2)

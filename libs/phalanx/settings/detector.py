@@ -31,11 +31,19 @@ class DetectorSettings(ServiceSettings, HeartbeatSettings):
         description="Added to a digest-fed worker's silence deadline, as a fraction of the digest interval.",
     )
     stall_floor_ms: float = Field(
-        default=5000.0, gt=0, description="A rank in COMPUTE stalls after max(floor, factor x step)."
+        default=30000.0,
+        gt=0,
+        description="A rank in COMPUTE that no peer waits for stalls after max(floor, factor x step).",
     )
     stall_factor: float = Field(default=4.0, gt=0, description="See stall_floor_ms.")
     stall_initial_ms: float = Field(
         default=60000.0, gt=0, description="Stall bound before a rank has completed any step."
+    )
+    straggle_floor_ms: float = Field(
+        default=1500.0,
+        gt=0,
+        description="A rank in COMPUTE while a peer waits in COLLECTIVE at the same step is the "
+        "straggler after max(floor, stall_factor x the peers' compute time of the step).",
     )
     detector_tick_ms: float | None = Field(
         default=None, gt=0, description="Tick period (unset: interval/10, within 5..100)."
@@ -75,6 +83,10 @@ class DetectorSettings(ServiceSettings, HeartbeatSettings):
     @property
     def stall_initial_s(self) -> float:
         return self.stall_initial_ms / 1e3
+
+    @property
+    def straggle_floor_s(self) -> float:
+        return self.straggle_floor_ms / 1e3
 
     @property
     def detector_tick_s(self) -> float | None:
