@@ -273,6 +273,13 @@ class Reducer:
         if (why := _comm_error_refusal(state, msg)) is not None:
             ctx.emit(Refuse(why))
             return
+        if msg.unrecoverable:  # no member can give the generation its state: say why, and stop
+            reason = (
+                f"generation {state.generation} cannot recover: {msg.worker} (rank {msg.rank}) "
+                f"reports {msg.error}: stopping the job"
+            )
+            apply(ctx, f"{ctx.job}:gen{state.generation}:unrecoverable", Decision(Action.STOP, reason))
+            return
         if not state.broken:
             state.broken_at = msg.ts
         state.broken[msg.worker] = msg.error[:300]

@@ -115,6 +115,15 @@ def test_step_stall_while_heartbeating(run_job: RunJob, reference: Reference) ->
     assert_bitwise_equal(weights, reference(3))
 
 
+def test_a_rank_spinning_while_its_peers_wait_is_the_straggler(run_job: RunJob, reference: Reference) -> None:
+    result, weights = run_job(spares=1, faults="spin:w2@step=6")
+    [hung] = result.faults
+    assert (hung.cause, hung.worker) == (FaultCause.STEP_STALL, "w2")
+    assert hung.evidence["peers_waiting_count"] >= 1, hung.evidence
+    assert_recovered(result, generation=2)
+    assert_bitwise_equal(weights, reference(3))
+
+
 def test_second_kill_during_recovery(run_job: RunJob, reference: Reference) -> None:
     # w2 dies as it starts building generation 2: the planner re-plans to generation 3.
     result, weights = run_job(spares=2, faults="kill:w1@step=5,kill:w2@recovery=2")

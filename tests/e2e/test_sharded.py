@@ -114,6 +114,27 @@ def test_sigstop(run: Run, reference: dict[str, torch.Tensor]) -> None:
     assert_bitwise_equal(weights, reference)
 
 
+def test_a_rank_spinning_while_its_mesh_peers_wait_is_the_straggler(
+    run: Run, reference: dict[str, torch.Tensor]
+) -> None:
+    result, weights = run(spares=1, faults="spin:w2@step=4")
+    [hung] = [f for f in result.faults if isinstance(f, RankHung)]
+    assert (hung.cause, hung.worker) == (FaultCause.STEP_STALL, "w2")
+    assert hung.evidence["peers_waiting_count"] >= 1, hung.evidence
+    assert_recovered(result, generation=result.plans[-1].generation, nproc=NPROC)
+    assert_bitwise_equal(weights, reference)
+
+
+def test_every_replica_of_a_shard_lost_without_a_checkpoint_stops_naming_the_shard(run: Run) -> None:
+    # w1 and w3 hold shard 1 in replica groups 0 and 1; two spares join, but no member
+    # holds shard 1 and no checkpoint was configured: the stop says that, not the sizes
+    result, weights = run(spares=2, faults="kill:w1@step=6,kill:w3@step=6")
+    [stop] = [d for d in result.decisions if d.action is Action.STOP]
+    assert "every replica of shard (1,) was lost" in stop.reason, stop.reason
+    assert "job.checkpoint(every=N)" in stop.reason and "min_world_size" not in stop.reason, stop.reason
+    assert result.returncode != 0 and weights is None
+
+
 def test_two_ranks_of_different_shards_killed_at_once(run: Run, reference: dict[str, torch.Tensor]) -> None:
     # at the step boundary (step=6: as the forward's first all-gather starts, before
     # anything of step 6 was exchanged); w0 holds shard 0 of replica group 0, w3

@@ -121,6 +121,21 @@ def test_sigstop(run: Run, reference: dict[str, torch.Tensor]) -> None:
     assert_joiner_in_step(dumps, ["w3"])
 
 
+def test_a_rank_spinning_in_the_first_step_is_found_by_its_waiting_peers(
+    run: Run, reference: dict[str, torch.Tensor]
+) -> None:
+    """A busy loop before any step completed (the old bound: the 10 s stall_initial of
+    these tests, 60 s by default): its peers wait in the gradient all-reduce, so it is
+    the straggler, judged by their pace, replaced, and the run stays bitwise."""
+    result, weights, _ = run(spares=1, faults="spin:w1@step=0")
+    [hung] = [f for f in result.faults if isinstance(f, RankHung)]
+    assert hung.cause is FaultCause.STEP_STALL and hung.worker == "w1"
+    assert hung.evidence["peers_waiting_count"] >= 1 and hung.evidence["bound_ms"] < 10_000, hung.evidence
+    assert actions(result) == [Action.START, Action.REPLACE]
+    assert_recovered(result, generation=2)
+    assert_bitwise_equal(weights, reference)
+
+
 def test_kill_during_recovery(run: Run, reference: dict[str, torch.Tensor]) -> None:
     result, weights, dumps = run(spares=2, faults="kill:w1@step=5,kill:w2@recovery=2")
     assert actions(result) == [Action.START, Action.REPLACE, Action.REPLACE]

@@ -86,9 +86,25 @@ def hung(worker: str, rank: int, generation: int, ts: float = T0) -> ev.Hang:
     return ev.Hang(msg=msg)
 
 
-def comm_error(worker: str, rank: int, generation: int, ts: float = T0, run: str = RUN) -> ev.CommFailure:
+def comm_error(
+    worker: str,
+    rank: int,
+    generation: int,
+    ts: float = T0,
+    run: str = RUN,
+    error: str = "reset",
+    unrecoverable: bool = False,
+) -> ev.CommFailure:
     msg = CollectiveError(
-        job=JOB, ts=ts, worker=worker, rank=rank, generation=generation, step=3, error="reset", launch=run
+        job=JOB,
+        ts=ts,
+        worker=worker,
+        rank=rank,
+        generation=generation,
+        step=3,
+        error=error,
+        launch=run,
+        unrecoverable=unrecoverable,
     )
     return ev.CommFailure(msg=msg)
 

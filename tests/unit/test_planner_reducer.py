@@ -224,6 +224,50 @@ def test_a_spare_that_became_a_member_is_not_waited_for_as_starting() -> None:
     assert [d.decision.action for d in of(effects, Decided)] == [Action.STOP]
 
 
+def _stops(effects: list) -> list[str]:  # type: ignore[type-arg]
+    return [d.decision.reason for d in of(effects, Decided) if d.decision.action is Action.STOP]
+
+
+def test_every_stop_names_its_cause() -> None:
+    """One case per way the default policies stop a job: the reason says what happened."""
+    # no spare left and too few ranks to shrink: the sizes, and the lost rank
+    [why] = _stops(R.step(started(R, ranks=3, spares=0), failed("w1", 1, 1), T0 + 10)[1])
+    assert "w1" in why and "no spare left" in why and "min_world_size=3" in why, why
+    # the spare wait ran out
+    state, _ = R.step(None, join(spec(2, 1)), T0)
+    for w in ("w0", "w1"):
+        state, _ = R.step(state, registered(w), T0)
+    state, _ = R.step(state, failed("w1", 1, 1), T0 + 1)
+    [why] = _stops(R.step(state, timer(f"spares:{state.spec.job}:w1:1"), T0 + 6)[1])
+    assert "w1" in why, why
+    # the group broke too many times in a row
+    state = started(R)
+    effects: list = []  # type: ignore[type-arg]
+    for n in range(R.failure.max_reforms + 1):  # type: ignore[attr-defined]
+        gen = state.generation
+        at = T0 + 10 + 10 * n
+        for w, r in (("w0", 0), ("w1", 1), ("w2", 2)):
+            state, _ = R.step(state, comm_error(w, r, gen, ts=at), at)
+        state, effects = R.step(state, timer("reform"), at + 5)
+        assert state is not None
+    [why] = _stops(effects)
+    assert "broke" in why and "max_reforms" in why, why
+    # every replica of a shard lost: the ranks' own words
+    lost = "every replica of shard (1,) was lost: rank 1 takes it and no member at step 20 holds it"
+    state = started(R)
+    state, effects = R.step(state, comm_error("w1", 1, 1, T0 + 5, error=lost, unrecoverable=True), T0 + 5)
+    assert state is not None and state.phase is JobPhase.STOPPED
+    [why] = _stops(effects)
+    assert why.startswith("generation 1 cannot recover: w1 (rank 1) reports every replica of shard (1,)"), why
+    assert "min_world_size" not in why
+
+
+def test_an_unrecoverable_report_of_another_generation_is_refused() -> None:
+    state = started(R)
+    state2, effects = R.step(state, comm_error("w1", 1, 7, T0 + 5, unrecoverable=True), T0 + 5)
+    assert state2 == state and "generation 7" in of(effects, Refuse)[0].why
+
+
 def test_a_shrink_with_no_joiner_names_the_ranks_left_out_and_a_replacement_names_none() -> None:
     state, _ = R.step(None, join(spec(4, 0, min_world_size=2)), T0)
     for i in range(4):

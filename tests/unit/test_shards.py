@@ -13,7 +13,7 @@ import pytest
 
 from phalanx.runtime.comm import CommError, Communicator
 from phalanx.runtime.mesh import group_size_of
-from phalanx.runtime.session import RecoveryError, state_sources, unheld
+from phalanx.runtime.session import StateLost, state_sources, unheld
 from phalanx.runtime.sharded import mesh_shape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ def test_a_joiner_takes_its_shard_from_a_holder_at_its_own_position() -> None:
 
 def test_a_fresh_sharded_job_moves_nothing_and_a_lost_shard_is_an_error() -> None:
     assert state_sources([-1, -1, -1, -1], positions=[0, 1, 0, 1]) == {}
-    with pytest.raises(RecoveryError, match="holds shard 1"):
+    with pytest.raises(StateLost, match="every replica of shard 1 was lost"):
         state_sources([7, -1, 7, -1], positions=[0, 1, 0, 1])
     # replicated (no positions): as before
     assert state_sources([-1, -1, -1]) == {1: 0, 2: 0}

@@ -138,6 +138,14 @@ class CollectiveError(JobMessage):
     step: int
     error: str = Field(max_length=2000)
     launch: str = Field(default="", max_length=64, description="The run the reporting rank belongs to.")
+    unrecoverable: bool = Field(
+        default=False,
+        description=(
+            "The generation cannot go on whoever joins it: state no member holds (every replica "
+            "of a shard lost, no checkpoint to load). The planner stops the job with ``error`` as "
+            "its reason instead of re-forming or replacing."
+        ),
+    )
 
 
 class FaultCause(StrEnum):

@@ -4,7 +4,8 @@ A comma-separated list of ``action:worker@point``:
 
 - actions: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: a hang with
   silent heartbeats), ``stall`` (the training thread blocks forever while the
-  heartbeats go on), ``exit`` (exit code 3), ``break`` (the worker drops its
+  heartbeats go on), ``spin`` (the training thread runs a busy Python loop forever:
+  the process burns its CPU, the heartbeats go on), ``exit`` (exit code 3), ``break`` (the worker drops its
   communicator as if the network had failed: every rank's collective fails,
   nobody dies; only at ``step=N``), ``wedge`` (the training thread enters phase
   COLLECTIVE and blocks forever, as a rank hung inside a collective whose
@@ -103,3 +104,7 @@ def _do(action: str) -> None:
         os._exit(3)
     elif action in ("stall", "wedge"):
         threading.Event().wait()  # blocks this thread for good; heartbeats go on
+    elif action == "spin":
+        n = 0
+        while True:  # a livelock in Python: the GIL is handed over every switch interval
+            n += 1

@@ -50,8 +50,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from phalanx.checkpoint.packing import checksum, pack, tensor_bytes
-from phalanx.contract import CollectiveError, NodePlan, Phase, RecoveryDone, Role
-from phalanx.contract.subjects import COMM_ERROR, RECOVERED
+from phalanx.contract import NodePlan, Phase, RecoveryDone, Role
+from phalanx.contract.subjects import RECOVERED
 from phalanx.runtime.bounds import Bounds
 from phalanx.runtime.comm import CommError, Communicator, Superseded
 from phalanx.runtime.faults import FaultPlan
@@ -83,6 +83,10 @@ class Member(Protocol):
 class RecoveryError(RuntimeError):
     """Recovery could not proceed (no plan came, or a peer's state does not fit);
     the process exits and is replaced."""
+
+
+class StateLost(RecoveryError):
+    """Every replica of some state was lost: no member can give it to the generation."""
 
 
 class Removed(Exception):
@@ -189,7 +193,10 @@ def state_sources(steps: list[int], positions: list[Hashable] | None = None) -> 
     for r in receivers:
         mine = at.get(positions[r])
         if not mine:
-            raise RecoveryError(f"rank {r} holds shard {positions[r]}, and no member at step {best} holds it")
+            raise StateLost(
+                f"every replica of shard {positions[r]} was lost: rank {r} takes it and no member "
+                f"at step {best} holds it"
+            )
         n = served[positions[r]] = served.get(positions[r], -1) + 1
         out[r] = mine[n % len(mine)]
     return out
@@ -309,20 +316,7 @@ class Session:
         rec.mark("abort", now)
         if err is not None:
             self.log.warning("collective_failed", step=self.step, generation=self.generation, error=str(err))
-            self.job.agent.publish(
-                COMM_ERROR,
-                CollectiveError(
-                    job=self.job.job,
-                    worker=self.job.worker,
-                    rank=self.rank,
-                    generation=self.generation,
-                    step=self.step,
-                    error=str(err)[:2000],
-                    launch=self.job.agent.launch,
-                ),
-                job=self.job.job,
-                worker=self.job.worker,
-            )
+            self.job.agent.report_collective_error(self.rank, self.generation, self.step, str(err))
         self._join(rec, restore, first=False)
 
     def committed(self, step_ms: float, started: float, loss: float | None = None) -> None:
@@ -390,6 +384,9 @@ class Session:
                 rec.role = "joiner"
             try:
                 self._enter(plan, rank, rec, restore)
+            except RecoveryError as exc:
+                self._unrecoverable(plan, rank, exc)
+                raise
             except (Superseded, CommError) as exc:
                 self.comm.release()
                 status.enter(Phase.RECOVERING)  # it left this generation's collectives
@@ -408,6 +405,19 @@ class Session:
                 phases_ms={k: round((e - s) * 1000, 2) for k, (s, e) in rec.marks.items()},
             )
             return
+
+    def _unrecoverable(self, plan: NodePlan, rank: int, exc: RecoveryError) -> None:
+        """Tell the planner that ``plan``'s generation cannot go on and why, before this
+        process ends on ``exc``: the job's stop then names the cause, not the exits."""
+        why = str(exc)
+        if isinstance(exc, StateLost):
+            why += (
+                "; a checkpoint (job.checkpoint(every=N)) or a hot spare per replica group would have kept it"
+                if self.checkpoints is None
+                else "; and no checkpoint every member can read holds it"
+            )
+        self.log.error("generation_unrecoverable", generation=plan.generation, error=why)
+        self.job.agent.report_collective_error(rank, plan.generation, self.step, why, unrecoverable=True)
 
     def _keep_position(self, rank: int, plan: NodePlan) -> None:
         """A sharded rank holds the shards of its position for life: a plan that
@@ -601,6 +611,7 @@ __all__ = [
     "Restore",
     "Session",
     "ShardedLastResort",
+    "StateLost",
     "Stateful",
     "state_sources",
     "unheld",

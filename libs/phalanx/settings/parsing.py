@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 _JOB = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _FAULT = re.compile(
-    r"^(kill|stop|stall|exit|break|wedge):([A-Za-z0-9_-]+)@(step|reduce|recovery|rendezvous|transfer|collective)=(\d+)$"
+    r"^(kill|stop|stall|spin|exit|break|wedge):([A-Za-z0-9_-]+)@(step|reduce|recovery|rendezvous|transfer|collective)=(\d+)$"
 )
 _NOT_AT_RECOVERY = ("wedge",)  # wedge: inside a collective (a step's, a rendezvous', a transfer's)
 

@@ -37,6 +37,7 @@ from opentelemetry import context as otel_context
 
 from phalanx.bus import Bus
 from phalanx.contract import (
+    CollectiveError,
     Message,
     NodePlan,
     Plan,
@@ -45,7 +46,7 @@ from phalanx.contract import (
     Role,
     worker_plan,
 )
-from phalanx.contract.subjects import ACK, REGISTERED, Subject
+from phalanx.contract.subjects import ACK, COMM_ERROR, REGISTERED, Subject
 from phalanx.settings import RankSettings, load
 from phalanx.telemetry import extract_context, get_logger
 from phalanx.worker.follow import PlanFollower
@@ -302,3 +303,25 @@ class Agent:
         if wait_s is not None:
             with contextlib.suppress(concurrent.futures.TimeoutError):
                 fut.result(wait_s)
+
+    def report_collective_error(
+        self, rank: int, generation: int, step: int, error: str, *, unrecoverable: bool = False
+    ) -> None:
+        """Tell the planner that this rank's collective of ``generation`` failed with
+        ``error``; ``unrecoverable``: the generation cannot go on whoever joins it (the
+        planner stops the job with ``error`` as the reason), sent before the process
+        ends on it, so it waits for the server's ack (at most 5 s)."""
+        status = self.status
+        msg = CollectiveError(
+            job=status.job,
+            worker=status.worker,
+            rank=rank,
+            generation=generation,
+            step=step,
+            error=error[:2000],
+            launch=self.launch,
+            unrecoverable=unrecoverable,
+        )
+        self.publish(
+            COMM_ERROR, msg, wait_s=5.0 if unrecoverable else None, job=status.job, worker=status.worker
+        )
