@@ -88,7 +88,7 @@ class Digests:
         heard = 0
         tracked, hold = self._tracking.workers, self._live.hold_until
         slack = self._checks.seq_slack
-        entered = self._rules.entered
+        entered, compute = self._rules.entered, Phase.COMPUTE
         schedule = self._deadlines.schedule_worker
         for row in rows:
             worker, pid, seq, rank, generation, step, step_ms, phase, phase_ms, age_ms, interval_ms, bound = (
@@ -116,16 +116,8 @@ class Digests:
             w.rank, w.generation, w.host = rank, generation, n.host
             w.bound_ms = bound
             # what Rules.learn(..., fresh=False) does, inline (keep the two in step)
-            if step > w.step:
-                w.step_start = at
-            if phase is not w.phase or phase_ms < w.phase_ms:
-                prev = w.phase
-                w.phase = phase
-                w.phase_start = at - phase_ms / 1e3
-                w.phase_start_wall = at_wall - phase_ms / 1e3
-                entered(w, prev)
-            w.phase_ms = phase_ms
-            if step > w.step:
+            stepped = step > w.step
+            if stepped:
                 if step_ms > 0:
                     steps = w.steps
                     evicted = steps[0] if len(steps) == steps.maxlen else 0.0
@@ -135,7 +127,15 @@ class Digests:
                     elif evicted >= w.max_step_ms:
                         w.max_step_ms = max(steps)
                 w.progress_at, w.progress_wall = at, at_wall
+                w.step_start = at - phase_ms / 1e3 if phase is compute else at
             w.step, w.step_ms = step, step_ms
+            if stepped or phase is not w.phase or phase_ms < w.phase_ms:
+                prev = w.phase
+                w.phase = phase
+                w.phase_start = at - phase_ms / 1e3
+                w.phase_start_wall = at_wall - phase_ms / 1e3
+                entered(w, prev)
+            w.phase_ms = phase_ms
             schedule(w)
             heard += 1
         self._stats.heartbeats += heard

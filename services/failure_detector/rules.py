@@ -98,17 +98,8 @@ class Rules:
         fresh: bool,
     ) -> None:
         """Learn ``w``'s phase and step from a heartbeat received at ``at``."""
-        if step > w.step:
-            w.step_start = at
-        # A new phase, or the same one entered again between two heartbeats.
-        if fresh or phase is not w.phase or phase_ms < w.phase_ms:
-            prev = w.phase
-            w.phase = phase
-            w.phase_start = at - phase_ms / 1e3
-            w.phase_start_wall = at_wall - phase_ms / 1e3
-            self.entered(w, prev)
-        w.phase_ms = phase_ms
-        if step > w.step:
+        stepped = step > w.step
+        if stepped:
             if step_ms > 0:
                 evicted = w.steps[0] if len(w.steps) == w.steps.maxlen else 0.0
                 w.steps.append(step_ms)
@@ -117,7 +108,17 @@ class Rules:
                 elif evicted >= w.max_step_ms:
                     w.max_step_ms = max(w.steps)
             w.progress_at, w.progress_wall = at, at_wall
+            w.step_start = at - phase_ms / 1e3 if phase is Phase.COMPUTE else at
         w.step, w.step_ms = step, step_ms
+        # A new phase, or the same one entered again between two heartbeats (seen by its
+        # shorter time in it, or by a step completed in between).
+        if fresh or stepped or phase is not w.phase or phase_ms < w.phase_ms:
+            prev = w.phase
+            w.phase = phase
+            w.phase_start = at - phase_ms / 1e3
+            w.phase_start_wall = at_wall - phase_ms / 1e3
+            self.entered(w, prev)
+        w.phase_ms = phase_ms
 
     def entered(self, w: Worker, prev: Phase) -> None:
         """``w`` entered its phase (``w.phase``, since ``w.phase_start``) from ``prev``."""

@@ -841,6 +841,31 @@ def test_a_straggler_bound_follows_the_peers_pace_and_a_shared_pause_is_no_fault
     assert t0 + 32.0 - 2 * I <= at <= t0 + 32.0 + 10 * I
 
 
+def test_a_peer_seen_in_collective_at_two_steps_in_a_row_still_counts_as_waiting() -> None:
+    """A sharded model's ranks toggle between COMPUTE and COLLECTIVE many times a step:
+    a waiter heard in COLLECTIVE in step 3, then (a step later, its phase never seen
+    leaving) in COLLECTIVE again, waits for step 4's straggler."""
+    det, clock = make(stall_floor_s=60.0)
+    ranks = [Rank(det, clock, f"w{r}", rank=r, pid=100 + r) for r in range(2)]
+    for r in ranks:
+        r.complete_step(100.0)  # 3 steps done, 100 ms each
+        r.complete_step(100.0)
+        r.complete_step(100.0)
+    waiter, straggler = ranks
+    waiter.enter(Phase.COLLECTIVE)
+    assert run(clock, det, ranks, 0.3) == []
+    # the waiter completes a step and is in a new collective before its next heartbeat
+    waiter.complete_step(100.0)
+    straggler.complete_step(100.0)
+    straggler.enter(Phase.COMPUTE)
+    clock.advance(0.05)
+    waiter.enter(Phase.COLLECTIVE)
+    out = run(clock, det, ranks, 3.0)
+    assert [(v.worker, v.cause, v.evidence.get("peers_waiting")) for v in out] == [
+        ("w1", FaultCause.STEP_STALL, "w0")
+    ]
+
+
 def test_done_entries_and_empty_nodes_make_no_verdict() -> None:
     det, clock = make()
     node = SimNode(det, clock, 0, random.Random(1), ranks=2)
