@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: venv test test-fast demo engine images test-docker bench-detect bench-recovery bench-user-loop bench-unmodified bench-sharded bench-failover bench-elastic bench-checkpoint proto proto-check lint typecheck clean corpus
+.PHONY: venv test test-fast demo engine images test-docker bench-detect bench-recovery bench-user-loop bench-unmodified bench-hangs bench-sharded bench-failover bench-elastic bench-checkpoint proto proto-check lint typecheck clean corpus
 
 venv: $(STAMP)
 
@@ -50,6 +50,9 @@ bench-user-loop: venv
 
 bench-unmodified: venv
 	$(PY) -m bench.recovery --loop unmodified
+
+bench-hangs: venv
+	$(PY) -m bench.hangs
 
 bench-sharded: venv
 	$(PY) -m bench.recovery --parallel hsdp

@@ -172,3 +172,21 @@ def test_the_unmodified_script_benchmark_runs_every_side_at_tiny_size() -> None:
     )
     assert UNMODIFIED_KEYS <= set(last), UNMODIFIED_KEYS - set(last)
     assert len(last["trials"]["phalanx_warm"]) == len(last["trials"]["torchrun"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_hangs_benchmark_runs_a_cell_per_fault_kind_and_its_baseline() -> None:
+    """bench.hangs --smoke: one trial of a fault from outside (SIGSTOP), one injected
+    (a spinning rank) and a hang in a generation's first all-reduce, on the user loop,
+    and the capped torchrun baseline of that rung."""
+    last = last_json_line(
+        "bench.hangs",
+        ["--smoke", "--rungs", "ddp", "--faults", "sigstop,spin,first_allreduce", "--baseline-cap", "5"],
+        timeout_s=380,
+    )
+    assert {"cells", "abort_p99_s", "not_run", "baseline"} <= last.keys(), sorted(last)
+    assert set(last["cells"]) == {"ddp/sigstop", "ddp/spin", "ddp/first_allreduce"}
+    for cell in last["cells"].values():
+        assert {"median", "p90", "max", "trials"} <= cell.keys()
+    assert last["baseline"]["cells"]["ddp/sigstop"]["runs"]

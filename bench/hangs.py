@@ -1,0 +1,359 @@
+"""Hangs: a stopped, spinning or wedged rank, per rung, found and recovered from.
+
+    python -m bench.hangs [--trials 5] [--rungs ddp,hsdp,unmodified] [--faults F,...]
+                          [--baseline-cap 60] [--baseline-trials 1] [--smoke]
+
+Each trial is a real job: ``phalanx run`` (the public CLI) against a real nats-server,
+failure-detector and elasticity-planner (``LocalStack``), two hot spares; the fault
+strikes once rank 0 has logged step ``k`` (``k`` varies across trials).
+
+Rungs: ``ddp`` is the user-loop port examples/ddp_phalanx.py (``job.ddp``, 3 ranks);
+``hsdp`` the FSDP2 port examples/fsdp_phalanx.py on a (2, 2) mesh; ``unmodified``
+the torchrun script examples/ddp_torchrun.py unchanged (3 ranks, restart recovery,
+its own checkpoint every 5 steps).
+
+Faults:
+
+- ``sigstop``: SIGSTOP of a rank from outside (a frozen process).
+- ``spin``: the rank's training thread enters a busy Python loop before its step's
+  gradient all-reduce (``PHALANX_FAULTS=spin:...``), its process running and
+  heartbeating; its peers wait in the all-reduce.
+- ``peer_dies``: the rank SIGKILLs itself before its step's gradient all-reduce, its
+  peers blocked in it (``kill:...@step=k``).
+- ``first_allreduce``: another rank dies at step 3; in the generation that replaces
+  it, the rank hangs inside that generation's first all-reduce (``wedge:...@collective=2``).
+- ``spare_rendezvous``: another rank dies at step 3; the spares hang inside their
+  first rendezvous (``wedge:...@rendezvous=2``).
+
+Faults from inside need Phalanx's fault injection, which an unmodified script does
+not run: its rung has ``sigstop`` and ``peer_dies`` (a SIGKILL from outside), the
+other cells are listed in ``not_run`` with the reason.
+
+Per cell: fault -> the first step completed after recovery (the slowest member's
+``RecoveryDone`` of the last generation; the unmodified script's first step of its
+last attempt), median, p90 and max over the trials, each trial printed. Per survivor:
+the abort, the committed plan (the incident's ``plan`` span end) -> its blocked
+collective released (its ``abort`` span start, 0 when its collective had already
+failed), pooled over the trials: ``abort_p99_s``.
+
+Baseline: the same script's plain torchrun version (examples/ddp_plain.py,
+examples/fsdp_plain.py, examples/ddp_torchrun.py) under ``torchrun --max-restarts 3``
+with a rank SIGSTOPped at step ``k``: torchrun sees no fault and the job waits for the
+script's process-group timeout (30 min by default), so each baseline trial is cut at
+``--baseline-cap`` seconds and reported as the cap (``capped``).
+
+The last line is one JSON object: ``cells`` keyed ``"<rung>/<fault>"`` with
+``median``, ``p90``, ``max`` (seconds) and every trial, ``abort_p99_s``, ``baseline``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.baseline.torchrun import torchrun_command, torchrun_env
+from bench.recovery import DDP_SCRIPTS, find_worker, hsdp_scripts
+from bench.unmodified import events, rank_pid
+from phalanx.devstack.jobwatch import JobResult
+from phalanx.devstack.localstack import LocalStack
+from phalanx.tracesummary import _from_file
+
+FAULTS = ("sigstop", "spin", "peer_dies", "first_allreduce", "spare_rendezvous")
+OUTSIDE = ("sigstop", "peer_dies")  # what an unmodified script can be given
+SPARES = 2
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One way of running a job: its command and its shape."""
+
+    name: str
+    nproc: int
+    victim: str
+    command: Callable[[int, Path, Path], list[str]]
+    """(steps, steps log, work dir) -> the command line."""
+    plain: Callable[[int, Path, Path], list[str]]
+    """The plain torchrun script's arguments (``-m module ...``)."""
+    launcher_args: tuple[str, ...] = ()
+    global_batch: int = 48
+
+
+def _rungs(smoke: bool) -> dict[str, Rung]:
+    hsdp = hsdp_scripts(2, 64 if smoke else 256, 2 if smoke else 3)
+
+    def unmodified(steps: int, log: Path, work: Path) -> list[str]:
+        return [
+            "-m", "examples.ddp_torchrun", "--steps", str(steps), "--ckpt", str(work / f"{log.stem}.ckpt"),
+            "--ckpt-every", "5", "--hidden", "128", "--depth", "2", "--samples", "2048", "--events", str(log),
+        ]  # fmt: skip
+
+    return {
+        "ddp": Rung(
+            "ddp",
+            3,
+            "w1",
+            lambda steps, log, work: ["-m", DDP_SCRIPTS.port, *DDP_SCRIPTS.args(steps, log)],
+            lambda steps, log, work: ["-m", DDP_SCRIPTS.plain, *DDP_SCRIPTS.args(steps, log)],
+            global_batch=32 * 3,
+        ),
+        "hsdp": Rung(
+            "hsdp",
+            4,
+            "w2",
+            lambda steps, log, work: ["-m", hsdp.port, *hsdp.args(steps, log)],
+            lambda steps, log, work: ["-m", hsdp.plain, *hsdp.args(steps, log)],
+            launcher_args=("--group-size", "2"),
+            global_batch=16 * 4,
+        ),
+        "unmodified": Rung(
+            "unmodified",
+            3,
+            "w1",
+            unmodified,
+            unmodified,
+            launcher_args=("--recovery", "restart"),
+            global_batch=96,
+        ),
+    }
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    s = sorted(xs)
+    return {
+        "median": round(statistics.median(s), 4),
+        "p90": round(s[min(len(s) - 1, int(0.9 * len(s)))], 4),
+        "max": round(s[-1], 4),
+    }
+
+
+def _p99(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return round(s[min(len(s) - 1, int(0.99 * len(s)))], 4)
+
+
+def _faults_spec(rung: Rung, fault: str, k: int) -> str:
+    other = "w0" if rung.victim != "w0" else "w1"
+    spares = [f"w{rung.nproc + i}" for i in range(SPARES)]
+    return {
+        "sigstop": "",
+        "spin": f"spin:{rung.victim}@step={k}",
+        "peer_dies": f"kill:{rung.victim}@step={k}",
+        "first_allreduce": f"kill:{rung.victim}@step=3,wedge:{other}@collective=2",
+        "spare_rendezvous": f"kill:{rung.victim}@step=3,"
+        + ",".join(f"wedge:{s}@rendezvous=2" for s in spares),
+    }[fault]
+
+
+def _release_times(stack: LocalStack, incidents: set[str]) -> list[float]:
+    """Per survivor of each incident: its plan committed -> its collective released (0
+    when it had failed already), from the incident's spans."""
+    spans = _from_file(stack.span_file)
+    traces = {s.trace_id for s in spans if s.attributes.get("phalanx.incident") in incidents}
+    out = []
+    for tid in traces:
+        ss = [s for s in spans if s.trace_id == tid]
+        plans = [s.end_ns for s in ss if s.name == "plan"]
+        if not plans:
+            continue
+        committed = min(plans)
+        out += [max(0.0, (s.start_ns - committed) / 1e9) for s in ss if s.name == "abort"]
+    return out
+
+
+def phalanx_trial(
+    stack: LocalStack, work: Path, rung: Rung, fault: str, i: int, k: int, steps: int
+) -> dict[str, Any]:
+    job = f"h{rung.name[:3]}{fault[:4]}{i}-{int(time.time()) % 100000}"
+    log = work / f"{job}.steps"
+    fault_log = work / f"{job}.faults"
+    struck: list[float] = []
+
+    def stop(_: JobResult) -> None:
+        if rung.name == "unmodified":
+            pid = rank_pid(log, int(rung.victim[1:]))
+        else:
+            pid = find_worker(job, rung.victim)
+        struck.append(time.time())
+        os.kill(pid, signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
+
+    outside = rung.name == "unmodified" or fault == "sigstop"
+    result = stack.run_nodes(
+        job,
+        [sys.executable, *rung.command(steps, log, work)],
+        nodes={"n0": (rung.nproc, SPARES)},
+        steps_log=log,
+        actions=[(k, stop)] if outside else [],
+        faults="" if outside else _faults_spec(rung, fault, k),
+        env={"PHALANX_FAULT_LOG": str(fault_log)},
+        launcher_args=rung.launcher_args,
+        global_batch=rung.global_batch,
+        timeout_s=240,
+    )
+    if not outside:
+        lines = [json.loads(x) for x in fault_log.read_text().splitlines()] if fault_log.exists() else []
+        hangs = [x["ts"] for x in lines if x["action"] != "kill" or fault == "peer_dies"]
+        struck = hangs[:1]
+    if result.returncode != 0 or not struck:
+        raise RuntimeError(f"{job}: exit {result.node_returncodes}, {[d.reason for d in result.decisions]}")
+    t0 = struck[0]
+    if rung.name == "unmodified":
+        last = max(e.get("attempt", 0) for e in events(log))
+        first = min(e["ts"] for e in events(log) if e["event"] == "step" and e.get("attempt", 0) == last)
+        releases: list[float] = []
+    else:
+        gen = max(p.generation for p in result.plans)
+        first = max(r.ts for r in result.recoveries if r.generation == gen)
+        time.sleep(0.6)  # the services export their spans every 200 ms
+        releases = _release_times(stack, {f.incident for f in result.faults})
+    verdicts = [(f.cause.value, f.worker) for f in result.faults]
+    return {
+        "downtime_s": round(first - t0, 4),
+        "fault_step": k,
+        "verdicts": verdicts,
+        "decisions": [d.action.value for d in result.decisions],
+        "release_s": [round(x, 4) for x in releases],
+    }
+
+
+def torchrun_trial(work: Path, rung: Rung, i: int, k: int, steps: int, cap_s: float) -> dict[str, Any]:
+    """The plain script under torchrun, a rank SIGSTOPped at step ``k``: the time to its
+    first step after the fault, or the cap."""
+    log = work / f"plain-{rung.name}{i}.steps"
+    proc = subprocess.Popen(
+        torchrun_command(rung.nproc, rung.plain(steps, log, work), max_restarts=3),
+        env=torchrun_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    struck: float | None = None
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and struck is None and time.monotonic() < deadline:
+            done = [e for e in events(log) if "step" in e]
+            if done and max(e["step"] for e in done) >= k:
+                victim = _plain_victim(proc.pid, int(rung.victim[1:]))
+                struck = time.time()
+                os.kill(victim, signal.SIGSTOP)
+            time.sleep(0.005)
+        if struck is None:
+            raise RuntimeError(f"torchrun {rung.name}: never reached step {k}")
+        seen = len(events(log))
+        while proc.poll() is None and time.time() - struck < cap_s:
+            after = [e for e in events(log)[seen:] if "step" in e and e.get("ts", 0) > struck]
+            if after:
+                return {"downtime_s": round(after[0]["ts"] - struck, 4), "capped": False}
+            time.sleep(0.05)
+        return {"downtime_s": cap_s, "capped": True, "exit": proc.poll()}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _plain_victim(root: int, rank: int) -> int:
+    """The pid of rank ``rank`` among the descendants of torchrun's process ``root``."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+
+    def under(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == root:
+                return True
+        return False
+
+    want = f"RANK={rank}".encode()
+    for pid in parent:
+        if under(pid):
+            try:
+                if want in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    return pid
+            except OSError:
+                continue
+    raise LookupError(f"no rank {rank} under torchrun's process {root}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--rungs", default="ddp,hsdp,unmodified")
+    ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--baseline-trials", type=int, default=1, help="per rung; 0 skips the baseline")
+    ap.add_argument("--baseline-cap", type=float, default=60.0, help="seconds a hung torchrun job is given")
+    ap.add_argument("--smoke", action="store_true", help="1 trial, small models, short runs (the suite's)")
+    args = ap.parse_args(argv)
+    rungs = _rungs(args.smoke)
+    chosen = [r.strip() for r in args.rungs.split(",") if r.strip()]
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    bad = [r for r in chosen if r not in rungs] + [f for f in faults if f not in FAULTS]
+    if bad or args.trials < 1:
+        ap.error(f"unknown rung or fault {bad}, or --trials < 1")
+    if args.smoke:
+        args.trials, args.steps = 1, 12
+    cells: dict[str, Any] = {}
+    not_run: dict[str, str] = {}
+    releases: list[float] = []
+    baseline: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-hangs-") as tmp:
+        work = Path(tmp)
+        with LocalStack(work / "stack", env={"PHALANX_COLLECTIVE_TIMEOUT_S": "120"}) as stack:
+            for name in chosen:
+                rung = rungs[name]
+                for fault in faults:
+                    key = f"{name}/{fault}"
+                    if name == "unmodified" and fault not in OUTSIDE:
+                        not_run[key] = "an unmodified script runs no Phalanx fault injection"
+                        continue
+                    trials = []
+                    for i in range(args.trials):
+                        k = 5 + (i * 3) % max(1, args.steps - 12)
+                        t = phalanx_trial(stack, work, rung, fault, i, k, args.steps)
+                        print(json.dumps({"cell": key, "trial": i, **t}), flush=True)
+                        trials.append(t)
+                        releases += t["release_s"]
+                    cells[key] = {**_stats([t["downtime_s"] for t in trials]), "trials": trials}
+        for name in chosen:
+            rung = rungs[name]
+            runs = [
+                torchrun_trial(work, rung, i, 5 + i, args.steps, args.baseline_cap)
+                for i in range(args.baseline_trials)
+            ]
+            for r in runs:
+                print(json.dumps({"baseline": f"{name}/sigstop", **r}), flush=True)
+            if runs:
+                baseline[f"{name}/sigstop"] = {**_stats([r["downtime_s"] for r in runs]), "runs": runs}
+    out = {
+        "bench": "hangs",
+        "trials": args.trials,
+        "cells": cells,
+        "abort_p99_s": _p99(releases),
+        "abort_survivors": len(releases),
+        "not_run": not_run,
+        "baseline": {"cap_s": args.baseline_cap, "cells": baseline},
+    }
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
