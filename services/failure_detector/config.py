@@ -56,6 +56,12 @@ class DetectorConfig:
     interval)``, plus its node's digest interval. Peers blocked on the same hung
     rank time out within about one normal all-reduce of each other (a quarter of the
     bound with the trainer's factor 4), and their leaving is heard a heartbeat later."""
+    node_floor_s: float = 0.75
+    """A node's launcher is lost after at least this much silence, however regular its
+    digests were: a launcher's event loop stalled for a third of a second at a job's
+    start (a 2-node compose stack on two loaded cores), 1.5 of its digests' phi
+    thresholds, and a whole node's ranks were replaced for it. A hung rank on a live
+    node is still judged by its own heartbeats."""
     digest_slack_ratio: float = 0.5
     """Added to a digest-carried worker's silence deadline, as a fraction of its
     node's digest interval: a heartbeat is seen only with the node's next digest."""
@@ -92,6 +98,8 @@ class DetectorConfig:
             raise ValueError("stall bounds must be positive")
         if self.seq_slack < 1 or not self.seq_rate >= 1.0:
             raise ValueError("seq_slack >= 1 and seq_rate >= 1 are required")
+        if not self.node_floor_s >= 0:
+            raise ValueError("node_floor_s must be >= 0")
         if not self.mass_hold_s >= 0 or not 0 < self.mass_ratio <= 1 or self.mass_min < 1:
             raise ValueError("mass_hold_s >= 0, 0 < mass_ratio <= 1 and mass_min >= 1 are required")
         if self.collective_slack_ratio < 0 or self.collective_slack_intervals < 0:

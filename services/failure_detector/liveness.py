@@ -59,6 +59,9 @@ class Beat:
     seq_interval: float = 0.0
     """The interval declared when the incarnation was first heard, for the sequence
     bound (0: unknown; a later heartbeat cannot loosen the bound by declaring less)."""
+    min_silence_s: float = 0.0
+    """The shortest silence taken for a fault whatever the estimate says (a node's
+    launcher: ``DetectorConfig.node_floor_s``)."""
     gap_from: int | None = None
     """``last_seq`` before the last accepted advance when that advance skipped numbers
     (-1: the first one heard), else None: a heartbeat strictly between it and
@@ -118,7 +121,8 @@ class Liveness:
             gap = digest_s - mean
             b.slack_s = self.digest_slack * digest_s + (gap if gap > 0.0 else 0.0)
         b.mean_s, b.std_s = mean, std
-        b.threshold_s = mean * self.pause + self.z * std
+        threshold = mean * self.pause + self.z * std
+        b.threshold_s = threshold if threshold > b.min_silence_s else b.min_silence_s
         b.stale = False
 
     def fresh(self, b: Beat) -> None:

@@ -113,6 +113,7 @@ class Tracking:
         self._tokens = itertools.count(1)
         self._capacity = config.closed_capacity
         self._window = config.window
+        self._node_floor = config.node_floor_s
         self._step_window = config.step_window
         self._stats = stats
 
@@ -176,6 +177,7 @@ class Tracking:
             host=host,
             seq_interval=interval,
             gap_from=-1,
+            min_silence_s=self._node_floor,
         )
         self.nodes[n.key] = n
         return n
