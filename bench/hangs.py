@@ -49,6 +49,7 @@ The last line is one JSON object: ``cells`` keyed ``"<rung>/<fault>"`` with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -240,6 +241,7 @@ def torchrun_trial(work: Path, rung: Rung, i: int, k: int, steps: int, cap_s: fl
         start_new_session=True,
     )
     struck: float | None = None
+    victim = -1
     try:
         deadline = time.monotonic() + 120
         while proc.poll() is None and struck is None and time.monotonic() < deadline:
@@ -259,13 +261,17 @@ def torchrun_trial(work: Path, rung: Rung, i: int, k: int, steps: int, cap_s: fl
             time.sleep(0.05)
         return {"downtime_s": cap_s, "capped": True, "exit": proc.poll()}
     finally:
+        for pid in [*_descendants(proc.pid), *([victim] if struck is not None else [])]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)  # a stopped process too
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.wait()
 
 
-def _plain_victim(root: int, rank: int) -> int:
-    """The pid of rank ``rank`` among the descendants of torchrun's process ``root``."""
+def _descendants(root: int) -> list[int]:
+    """Every live process under ``root`` (torchrun starts its workers in sessions of
+    their own, so a process group does not reach them)."""
     parent: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -281,14 +287,18 @@ def _plain_victim(root: int, rank: int) -> int:
                 return True
         return False
 
+    return [pid for pid in parent if under(pid)]
+
+
+def _plain_victim(root: int, rank: int) -> int:
+    """The pid of rank ``rank`` among the descendants of torchrun's process ``root``."""
     want = f"RANK={rank}".encode()
-    for pid in parent:
-        if under(pid):
-            try:
-                if want in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                    return pid
-            except OSError:
-                continue
+    for pid in _descendants(root):
+        try:
+            if want in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
     raise LookupError(f"no rank {rank} under torchrun's process {root}")
 
 
