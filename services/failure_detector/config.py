@@ -56,12 +56,16 @@ class DetectorConfig:
     interval)``, plus its node's digest interval. Peers blocked on the same hung
     rank time out within about one normal all-reduce of each other (a quarter of the
     bound with the trainer's factor 4), and their leaving is heard a heartbeat later."""
+    worker_floor_s: float = 0.5
+    """A worker is lost after at least this much silence, however regular its
+    heartbeats were (``PHALANX_DETECTOR_WORKER_FLOOR_MS``; 0: phi alone): in a compose stack on two loaded
+    cores, ranks' 100 ms heartbeats went quiet for 290 ms during a recovery and
+    healthy ranks were replaced (phi's threshold for a regular 100 ms sender is about
+    230 ms)."""
     node_floor_s: float = 0.75
-    """A node's launcher is lost after at least this much silence, however regular its
-    digests were: a launcher's event loop stalled for a third of a second at a job's
-    start (a 2-node compose stack on two loaded cores), 1.5 of its digests' phi
-    thresholds, and a whole node's ranks were replaced for it. A hung rank on a live
-    node is still judged by its own heartbeats."""
+    """The same for a node's launcher (``PHALANX_DETECTOR_NODE_FLOOR_MS``): a launcher's event loop stalled for
+    a third of a second at a job's start (a 2-node compose stack on two loaded
+    cores), over its digests' phi threshold, and a whole node's ranks were replaced."""
     digest_slack_ratio: float = 0.5
     """Added to a digest-carried worker's silence deadline, as a fraction of its
     node's digest interval: a heartbeat is seen only with the node's next digest."""
@@ -98,8 +102,8 @@ class DetectorConfig:
             raise ValueError("stall bounds must be positive")
         if self.seq_slack < 1 or not self.seq_rate >= 1.0:
             raise ValueError("seq_slack >= 1 and seq_rate >= 1 are required")
-        if not self.node_floor_s >= 0:
-            raise ValueError("node_floor_s must be >= 0")
+        if not self.node_floor_s >= 0 or not self.worker_floor_s >= 0:
+            raise ValueError("node_floor_s and worker_floor_s must be >= 0")
         if not self.mass_hold_s >= 0 or not 0 < self.mass_ratio <= 1 or self.mass_min < 1:
             raise ValueError("mass_hold_s >= 0, 0 < mass_ratio <= 1 and mass_min >= 1 are required")
         if self.collective_slack_ratio < 0 or self.collective_slack_intervals < 0:

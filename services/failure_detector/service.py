@@ -213,6 +213,7 @@ class ServiceConfig:
             stall_initial_s=s.stall_initial_s,
             straggle_floor_s=s.straggle_floor_s,
             node_floor_s=s.detector_node_floor_s,
+            worker_floor_s=s.detector_worker_floor_s,
             mass_hold_s=s.detector_mass_hold_s,
         )
         return cls(

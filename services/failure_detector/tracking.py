@@ -114,6 +114,7 @@ class Tracking:
         self._capacity = config.closed_capacity
         self._window = config.window
         self._node_floor = config.node_floor_s
+        self._worker_floor = config.worker_floor_s
         self._step_window = config.step_window
         self._stats = stats
 
@@ -156,6 +157,7 @@ class Tracking:
             step=step,
             seq_interval=declared_s,
             gap_from=-1,
+            min_silence_s=self._worker_floor,
         )
         self.workers[w.key] = w
         return w

@@ -27,7 +27,7 @@ class Pieces:
     """Every piece built from one config, wired as the Detector wires them."""
 
     def __init__(self, **cfg: float) -> None:
-        self.config = DetectorConfig(**cfg)  # type: ignore[arg-type]
+        self.config = DetectorConfig(**{"worker_floor_s": 0.0, "node_floor_s": 0.0, **cfg})  # type: ignore[arg-type]
         self.stats = Stats()
         self.live = Liveness(self.config)
         self.tracking = Tracking(self.config, self.stats)

@@ -39,6 +39,12 @@ class DetectorSettings(ServiceSettings, HeartbeatSettings):
     stall_initial_ms: float = Field(
         default=60000.0, gt=0, description="Stall bound before a rank has completed any step."
     )
+    detector_worker_floor_ms: float = Field(
+        default=500.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="A worker is lost after at least this much silence of its heartbeats.",
+    )
     detector_node_floor_ms: float = Field(
         default=750.0,
         ge=0,
@@ -89,6 +95,10 @@ class DetectorSettings(ServiceSettings, HeartbeatSettings):
     @property
     def stall_initial_s(self) -> float:
         return self.stall_initial_ms / 1e3
+
+    @property
+    def detector_worker_floor_s(self) -> float:
+        return self.detector_worker_floor_ms / 1e3
 
     @property
     def detector_node_floor_s(self) -> float:
