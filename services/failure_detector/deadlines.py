@@ -251,10 +251,19 @@ class Deadlines:
             heapq.heapreplace(heap, (nxt, next(self._counter), kind, key, token))
         return None
 
-    def silent_within(self, job: str, first: Worker | Node, horizon: float) -> tuple[set[str], set[str]]:
-        """Workers and nodes of ``job`` whose silence deadline is ``horizon`` or earlier
-        (``first``, just popped from the heap, included). Walks the heap's entries up
-        to ``horizon`` (a heap entry is never later than its deadline)."""
+    def silent_within(
+        self, job: str, first: Worker | Node, now: float, window: float
+    ) -> tuple[set[str], set[str]]:
+        """Workers and nodes of ``job`` whose silence deadline is within ``window``, and
+        within one of their own intervals, of ``now`` (``first``, just popped from the
+        heap, included). Walks the heap's entries up to ``now + window`` (a heap entry
+        is never later than its deadline).
+
+        A member's own interval bounds its look-ahead: a live one is always more than an
+        interval from its deadline, but not more than ``window`` when ``first`` heartbeats
+        more slowly than it does (a node digesting every 100 ms, its deadline 0.75 s
+        ahead at most, beside ranks heartbeating every second)."""
+        horizon = now + window
         tracked, known = self._workers, self._nodes
         workers: set[str] = set()
         nodes: set[str] = set()
@@ -292,6 +301,6 @@ class Deadlines:
             if key[0] != job:
                 continue
             x: Worker | Node | None = known.get(key) if kind is Kind.NODE else tracked.get(key)
-            if x is not None and x.token == token and self._deadline(x) <= horizon:
+            if x is not None and x.token == token and self._deadline(x) <= now + min(window, x.mean_s):
                 add(x)
         return workers, nodes

@@ -25,9 +25,10 @@ from phalanx.services.failure_detector.verdicts import Verdict
 
 __all__ = ["MassHold", "MassSilence", "SilentWithin"]
 
-SilentWithin = Callable[[str, Worker | Node, float], tuple[set[str], set[str]]]
-"""``(job, first, horizon) -> (workers, nodes)`` of ``job`` whose silence deadline is
-``horizon`` or earlier (``Deadlines.silent_within``)."""
+SilentWithin = Callable[[str, Worker | Node, float, float], tuple[set[str], set[str]]]
+"""``(job, first, now, window) -> (workers, nodes)`` of ``job`` whose silence deadline
+is within ``window`` and one of their own intervals of ``now``
+(``Deadlines.silent_within``)."""
 
 
 @dataclass(slots=True)
@@ -94,10 +95,10 @@ class MassSilence:
         if now < self._checked.get(job, -math.inf):
             return None
         # One interval: members cut off together (their last heartbeats within one interval)
-        # come due within it; one still heard is at least ~1.3 intervals from its deadline.
+        # come due within it; one still heard is at least ~1.3 of its own intervals from
+        # its deadline.
         self._live.fresh(b)
-        window = b.mean_s
-        workers, nodes = silent_within(job, b, now + window)
+        workers, nodes = silent_within(job, b, now, b.mean_s)
         if len(workers) >= self._min or len(nodes) >= self._min:
             tracked_workers = sum(1 for k in self._tracking.workers if k[0] == job)
             tracked_nodes = sum(1 for k in self._tracking.nodes if k[0] == job)
@@ -110,7 +111,10 @@ class MassSilence:
                 self.holds.append(rec)
                 self._stats.mass_holds += 1
                 return rec.until
-        self._checked[job] = now + window / 2  # (a mass silence shows at its first verdict)
+        # (a mass silence shows at its first verdict: the finding stands for half the
+        # shortest look-ahead, a node's digest interval when b is one of its workers)
+        window = b.digest_s if 0.0 < b.digest_s < b.mean_s else b.mean_s
+        self._checked[job] = now + window / 2
         return None
 
     def mark_held(self, v: Verdict, stall: bool, b: Worker | Node, now: float) -> None:

@@ -957,6 +957,37 @@ def test_one_stopped_rank_among_live_ones_is_no_mass_silence(seed: int) -> None:
     assert at - stopped < 4 * I
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_stopped_slow_heartbeat_rank_beside_a_live_node_is_no_mass_silence(seed: int) -> None:
+    """What made an unmodified script's SIGSTOPped rank wait 12.6 s (bench.hangs): its
+    ranks heartbeat every second, their node digests every 100 ms. The mass-silence
+    check looked one of the *stopped rank's* intervals ahead (1 s), and the live
+    node's deadline (its last digest + the 0.75 s floor) is always within that: the
+    node and, with it, every worker it carries counted as silent, and the verdict was
+    held for ``mass_hold_s``. Each member is now looked ahead by its own interval."""
+    det, clock = make(worker_floor_s=0.5, node_floor_s=0.75)
+    rng = random.Random(seed)
+    node = SimNode(det, clock, 0, rng, ranks=5, interval=I, rank_interval=1.0, jitter=0.3 * I)
+    assert drive(clock, det, [node], rng.uniform(1.01, 3.0)) == []  # its first heartbeats (one or two each)
+    node.frozen = {rng.randrange(5)}
+    stopped = clock.monotonic()
+    [(at, hung)] = drive(clock, det, [node], 4.0)
+    assert hung.cause is FaultCause.HEARTBEAT_LOST and det.stats.mass_holds == 0
+    assert at - stopped < 3.7  # its threshold with few samples (2.55 intervals) plus its phase
+
+
+def test_a_node_cut_off_with_its_slow_heartbeat_ranks_is_still_a_mass_silence() -> None:
+    """The same shape cut off from the detector at once (a partition) is one mass
+    silence: held, not three ranks and a node judged one by one."""
+    det, clock = make(worker_floor_s=0.5, node_floor_s=0.75)
+    nodes = [SimNode(det, clock, k, random.Random(k), ranks=2, rank_interval=1.0) for k in range(3)]
+    assert drive(clock, det, nodes, 6.0) == []
+    for n in nodes[:2]:
+        n.silent = True
+    drive(clock, det, nodes, 3.0)
+    assert det.stats.mass_holds == 1
+
+
 def test_digest_ignores_repeats_and_a_replaced_launcher_takes_over() -> None:
     det, clock = make()
     node = SimNode(det, clock, 0, random.Random(4), ranks=1)

@@ -326,8 +326,8 @@ def test_a_mass_silence_holds_its_job_and_the_verdicts_after_it_say_so() -> None
     now = ws[0].last_arrival + 1.0
     asked: list[float] = []
 
-    def two_silent(job: str, first: Worker | Node, horizon: float) -> tuple[set[str], set[str]]:
-        asked.append(horizon)
+    def two_silent(job: str, first: Worker | Node, now: float, window: float) -> tuple[set[str], set[str]]:
+        asked.append(now + window)
         return {"w0", "w1"}, set()
 
     until = p.mass.hold_for(False, ws[0], now, two_silent)
@@ -356,7 +356,7 @@ def test_too_few_silent_is_no_mass_silence_and_the_finding_is_kept_half_an_inter
     now = ws[0].last_arrival + 1.0
     calls = []
 
-    def silent(job: str, first: Worker | Node, horizon: float) -> tuple[set[str], set[str]]:
+    def silent(job: str, first: Worker | Node, now: float, window: float) -> tuple[set[str], set[str]]:
         calls.append(job)
         return {"w0", "w1"}, set()  # 2 of 5: under half
 
@@ -409,14 +409,31 @@ def test_a_tick_pops_dead_entries_and_moves_deadlines_that_moved_later() -> None
 
 def test_silent_within_walks_the_heap_up_to_the_horizon_for_one_job() -> None:
     p = Pieces()
-    ws = [p.worker(f"w{i}", at=100.0 + i) for i in range(6)]
+    ws = [p.worker(f"w{i}", at=100.0 + 0.04 * i) for i in range(6)]
     other = p.tracking.new_worker("j2", "x", 1, "h", 0, 1, 0, 0, 0.1, 100.0, 0.0)
     for w in [*ws, other]:
         p.rules.learn(w, Phase.IDLE, 0.0, 0, 0.0, w.last_arrival, 0.0, True)
         p.deadlines.schedule_worker(w)
-    horizon = p.live.deadline(ws[2]) + 1e-9
-    workers, nodes = p.deadlines.silent_within("j1", ws[0], horizon)
+    now = p.live.deadline(ws[0])
+    workers, nodes = p.deadlines.silent_within("j1", ws[0], now, 0.1)  # w3 is 0.12 s off
     assert workers == {"w0", "w1", "w2"} and nodes == set()
+
+
+def test_silent_within_looks_ahead_by_each_members_own_interval() -> None:
+    """A slow sender's window (1 s) does not make a fast one (0.1 s) silent: the fast
+    one is judged silent only within one of its own intervals of its deadline."""
+    p = Pieces()
+    slow = p.worker("slow", at=100.0, interval=1.0)
+    fast = p.worker("fast", at=100.0, interval=0.1)
+    for w in (slow, fast):
+        p.rules.learn(w, Phase.IDLE, 0.0, 0, 0.0, w.last_arrival, 0.0, True)
+        p.live.estimate(w)
+    beats(p, fast, int((p.live.deadline(slow) - 100.0) / 0.1), 0.1)  # heard within its interval
+    for w in (slow, fast):
+        p.deadlines.schedule_worker(w)
+    now = p.live.deadline(slow)
+    assert p.live.deadline(fast) < now + 1.0  # within the slow one's window...
+    assert p.deadlines.silent_within("j1", slow, now, 1.0) == ({"slow"}, set())  # ...not its own
 
 
 # -- digest rows ---------------------------------------------------------------------
