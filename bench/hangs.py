@@ -2,6 +2,7 @@
 
     python -m bench.hangs [--trials 5] [--rungs ddp,hsdp,unmodified] [--faults F,...]
                           [--baseline-cap 60] [--baseline-trials 1] [--smoke]
+                          [--soak-s 600 [--eval-every-s 60] [--eval-s 5]]
 
 Each trial is a real job: ``phalanx run`` (the public CLI) against a real nats-server,
 failure-detector and elasticity-planner (``LocalStack``), two hot spares; the fault
@@ -42,8 +43,15 @@ with a rank SIGSTOPped at step ``k``: torchrun sees no fault and the job waits f
 script's process-group timeout (30 min by default), so each baseline trial is cut at
 ``--baseline-cap`` seconds and reported as the cap (``capped``).
 
+With ``--soak-s S``: a fault-free run of the ``ddp`` rung of about S seconds in which
+rank 0 evaluates the model for ``--eval-s`` (5) every ``--eval-every-s`` (60) while
+the others wait, inside ``job.pause``; its verdicts are false ones
+(``soak.false_verdicts``); then two such evaluations without ``job.pause``
+(``soak.undeclared``), for what a script that declares nothing gets.
+
 The last line is one JSON object: ``cells`` keyed ``"<rung>/<fault>"`` with
-``median``, ``p90``, ``max`` (seconds) and every trial, ``abort_p99_s``, ``baseline``.
+``median``, ``p90``, ``max`` (seconds) and every trial, ``abort_p99_s``, ``baseline``,
+``soak``.
 """
 
 from __future__ import annotations
@@ -229,6 +237,53 @@ def phalanx_trial(
     }
 
 
+def soak(
+    stack: LocalStack, work: Path, rung: Rung, *, seconds: float, every_s: float, eval_s: float
+) -> dict[str, Any]:
+    """A fault-free run of about ``seconds`` in which rank 0 evaluates for ``eval_s``
+    every ``every_s`` while the other ranks wait (examples/ddp_phalanx.py
+    ``--eval-every``, inside ``job.pause``): every verdict in it is a false one. Then
+    the same evaluation twice without ``job.pause``, for what a script that declares
+    nothing gets. The evaluation interval in steps comes from a calibration run's
+    step time."""
+
+    def run(name: str, steps: int, extra: list[str]) -> tuple[JobResult, float]:
+        job, log = f"soak{name}-{int(time.time()) % 100000}", work / f"soak-{name}.steps"
+        t0 = time.time()
+        result = stack.run_nodes(
+            job,
+            [sys.executable, *rung.command(steps, log, work), *extra],
+            nodes={"n0": (rung.nproc, SPARES)},
+            steps_log=log,
+            launcher_args=rung.launcher_args,
+            global_batch=rung.global_batch,
+            timeout_s=3 * seconds + 300,
+        )
+        return result, time.time() - t0
+
+    cal, _ = run("cal", 200, [])
+    if cal.returncode != 0 or cal.faults:
+        raise RuntimeError(f"soak calibration failed: {[d.reason for d in cal.decisions]}")
+    ms = [json.loads(x)["ms"] for x in (work / "soak-cal.steps").read_text().splitlines()[50:]]
+    step_s = statistics.median(ms) / 1000.0
+    every = max(1, round(every_s / step_s))
+    steps = max(every, round(seconds / step_s))
+    out: dict[str, Any] = {"step_s": round(step_s, 4), "eval_every_steps": every, "eval_s": eval_s}
+    for name, n, flags in (("declared", steps, []), ("undeclared", 2 * every + 2, ["--eval-undeclared"])):
+        result, took = run(name, n, ["--eval-every", str(every), "--eval-s", str(eval_s), *flags])
+        out[name] = {
+            "seconds": round(took, 1),
+            "steps": n,
+            "evaluations": n // every,
+            "verdicts": [(f.cause.value, f.worker) for f in result.faults],
+            "decisions": [d.action.value for d in result.decisions],
+            "exit": result.returncode,
+        }
+        print(json.dumps({"soak": name, **out[name]}), flush=True)
+    out["false_verdicts"] = len(out["declared"]["verdicts"])
+    return out
+
+
 def torchrun_trial(work: Path, rung: Rung, i: int, k: int, steps: int, cap_s: float) -> dict[str, Any]:
     """The plain script under torchrun, a rank SIGSTOPped at step ``k``: the time to its
     first step after the fault, or the cap."""
@@ -311,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-trials", type=int, default=1, help="per rung; 0 skips the baseline")
     ap.add_argument("--baseline-cap", type=float, default=60.0, help="seconds a hung torchrun job is given")
     ap.add_argument("--smoke", action="store_true", help="1 trial, small models, short runs (the suite's)")
+    ap.add_argument(
+        "--soak-s", type=float, default=0.0, help="also a fault-free run this long with evaluation pauses"
+    )
+    ap.add_argument("--eval-every-s", type=float, default=60.0, help="soak: rank 0 evaluates this often")
+    ap.add_argument("--eval-s", type=float, default=5.0, help="soak: for this long, the others waiting")
     args = ap.parse_args(argv)
     rungs = _rungs(args.smoke)
     chosen = [r.strip() for r in args.rungs.split(",") if r.strip()]
@@ -324,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     not_run: dict[str, str] = {}
     releases: list[float] = []
     baseline: dict[str, Any] = {}
+    soaked: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-hangs-") as tmp:
         work = Path(tmp)
         with LocalStack(work / "stack", env={"PHALANX_COLLECTIVE_TIMEOUT_S": "120"}) as stack:
@@ -342,6 +403,15 @@ def main(argv: list[str] | None = None) -> int:
                         trials.append(t)
                         releases += t["release_s"]
                     cells[key] = {**_stats([t["downtime_s"] for t in trials]), "trials": trials}
+            if args.soak_s > 0:
+                soaked = soak(
+                    stack,
+                    work,
+                    rungs["ddp"],
+                    seconds=args.soak_s,
+                    every_s=args.eval_every_s,
+                    eval_s=args.eval_s,
+                )
         for name in chosen:
             rung = rungs[name]
             runs = [
@@ -360,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         "abort_survivors": len(releases),
         "not_run": not_run,
         "baseline": {"cap_s": args.baseline_cap, "cells": baseline},
+        "soak": soaked,
     }
     print(json.dumps(out), flush=True)
     return 0

@@ -1,7 +1,8 @@
 """Downtime of a rank failure: Phalanx in-process recovery vs torchrun restart.
 
     python -m bench.recovery [--trials 10] [--baseline-trials 5] [--nproc 4] [--steps 40]
-                             [--quick] [--nodes 3] [--loop user] [--parallel hsdp]
+                             [--quick] [--nodes 3 [--rank-kills 10]] [--loop user]
+                             [--parallel hsdp]
 
 Both paths train the same byte-level GPT (examples/gpt.py) on the same corpus,
 seed and global batch, with 4 ranks on this machine's CPUs, and lose the same
@@ -45,11 +46,18 @@ measures the loss of a whole node, at least 5 trials each side:
 
 Neither side loses the node hosting its rendezvous, so both see the same fault.
 ``node_loss_downtime_s`` is fault -> first step completed after recovery.
+With ``--rank-kills R`` as well, the same cluster (1 rank + 1 hot spare per node)
+loses one rank instead of a node, R jobs in a row, on the user-loop DDP port
+(examples/ddp_phalanx.py), killed from outside at a spread fraction of a step:
+``node_rank_kill_downtime_s`` (every trial in ``node_rank_kill_downtimes_s``) and
+``node_rank_kill_abort_max_s``, the slowest survivor's abort phase over all trials,
+to be read against the collective's 2 s floor (``--node-trials 0`` skips the
+node losses).
 With ``--loop user`` the same comparison runs on the user's own loop: the
 Phalanx side is examples/ddp_phalanx.py (DDP, DataLoader, AdamW, a one-cycle
 schedule, gradient clipping; ``phalanx.runtime.loop``), the reference its plain
 torchrun script examples/ddp_plain.py, for the steady step time
-(``steady_overhead_pct``: the median over five interleaved pairs of each pair's
+(``steady_overhead_pct``: the median over five (``--pairs``) interleaved pairs of each pair's
 overhead, each pair printed and listed in ``steady_overhead_pairs_pct``;
 ``steady_overhead_pooled_pct`` pools the step times) and for the restart (torchrun
 restarts every worker and the plain script, having no checkpoint, starts over).
@@ -110,7 +118,7 @@ from torch import nn
 
 from bench.baseline.plain_ddp import measure_step_time
 from bench.baseline.run import run_trial
-from bench.baseline.torchrun import plain_ddp_args, run_torchrun, torchrun
+from bench.baseline.torchrun import TorchrunFailed, plain_ddp_args, run_torchrun, torchrun
 from examples.corpus import DEFAULT_OUT, build_corpus
 from examples.gpt import GPT
 from examples.mlp import MLP
@@ -222,15 +230,18 @@ def phalanx_trial(
     command: Command,
     fraction: float,
     group_size: int = 1,
+    nodes: dict[str, tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """One fault, from outside: ``phalanx run`` (the public CLI) trains with ``nproc``
-    ranks and a hot spare; once rank 0 has logged step ``step`` done, the victim rank
-    is SIGKILLed ``fraction`` of a step later (compute, all-reduce or optimizer step).
-    The spare that replaces it reports the state bytes it received (``bytes_received``).
-    ``group_size``: ``phalanx run --group-size`` (a sharded model's ranks per replica group)."""
+    ranks and a hot spare; once rank 0 has logged step ``step`` done, rank
+    ``1 + i % (nproc - 1)`` is SIGKILLed ``fraction`` of a step later (compute,
+    all-reduce or optimizer step). The spare that replaces it reports the state bytes
+    it received (``bytes_received``). ``group_size``: ``phalanx run --group-size`` (a
+    sharded model's ranks per replica group). ``nodes``: one ``phalanx run`` per node,
+    ``{node: (ranks, spares)}`` (default: every rank and one spare on ``n0``)."""
     job = f"bench{i}-{int(time.time())}"
     steps_log = work / f"{job}.steps"
-    victim = f"w{1 + i % (nproc - 1)}"
+    victim: list[str] = []
     cmd = command(steps, steps_log)
     fault: dict[str, float] = {}
     timers: list[threading.Timer] = []
@@ -244,13 +255,15 @@ def phalanx_trial(
         lines = [x for x in steps_log.read_text().splitlines() if x.strip().endswith("}")]  # whole lines
         step_s = statistics.median(json.loads(x)["ms"] for x in lines[-3:]) / 1000.0
         delay = fraction * step_s
-        timers.append(threading.Timer(delay, strike, (find_worker(job, victim), delay)))
+        rank = 1 + i % (nproc - 1)
+        victim.append(next(m.worker for m in result.plans[-1].members if m.rank == rank))
+        timers.append(threading.Timer(delay, strike, (find_worker(job, victim[0]), delay)))
         timers[0].start()
 
     result = stack.run_nodes(
         job,
         cmd,
-        nodes={"n0": (nproc, 1)},
+        nodes=nodes or {"n0": (nproc, 1)},
         steps_log=steps_log,
         actions=[(step, kill)],
         launcher_args=("--group-size", str(group_size)) if group_size > 1 else (),
@@ -296,7 +309,7 @@ def phalanx_trial(
         "fault_step": step,
         "fault_delay_s": round(fault["delay_s"], 4),
         "fault_fraction": round(fraction, 3),
-        "victim": victim,
+        "victim": victim[0],
         "joiner_rank": joiner.rank,
         "bytes_received": joiner.bytes_received,  # the state the spare got from its peer
         "phases": {p: round(r.dur_ms / 1000.0, 4) for p, r in rows.items()},
@@ -387,6 +400,11 @@ def quiet_control_plane_overhead(work: Path, *, nproc: int, steps: int) -> dict[
     }
 
 
+def restart_name(i: int, attempt: int) -> str:
+    """The files of restart trial ``i``'s ``attempt`` (a rerun starts from nothing)."""
+    return f"restart{i}" if attempt == 0 else f"restart{i}.{attempt}"
+
+
 def plain_restart_trial(
     work: Path,
     i: int,
@@ -394,6 +412,7 @@ def plain_restart_trial(
     nproc: int,
     steps: int,
     step: int,
+    attempt: int = 0,
     module: str = "examples.ddp_plain",
     args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
@@ -401,7 +420,8 @@ def plain_restart_trial(
     restarts every worker; a script without checkpoints (examples/ddp_plain.py) starts
     over from step 0, bench/baseline/fsdp_restart.py from its newest checkpoint.
     Rank ``1 + i % (nproc - 1)`` is SIGKILLed from outside once rank 0 logged ``step``."""
-    log, out = work / f"restart{i}.steps", work / f"restart{i}.out"
+    name = restart_name(i, attempt)
+    log, out = work / f"{name}.steps", work / f"{name}.out"
     proc = torchrun(nproc, module, plain_ddp_args(steps, *args, steps_log=log), output=out, max_restarts=1)
     try:
         deadline = time.monotonic() + 300
@@ -414,7 +434,7 @@ def plain_restart_trial(
         fault_ts = time.time()
         os.kill(victim, signal.SIGKILL)
         if proc.wait(600) != 0:
-            raise RuntimeError(f"plain run {i} failed after the restart: {out.read_text()[-2000:]}")
+            raise TorchrunFailed(f"plain run {name} failed after the restart: {out.read_text()[-2000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -504,6 +524,43 @@ def node_loss_trials(work: Path, *, nodes: int, trials: int, steps: int, corpus:
     }
 
 
+def node_rank_kill_trials(work: Path, *, nodes: int, trials: int, steps: int) -> dict[str, Any]:
+    """``trials`` rank kills in a row on ``nodes`` namespace nodes, each one ``phalanx
+    run`` with 1 rank + 1 hot spare, the user-loop DDP port (examples/ddp_phalanx.py):
+    one rank (never rank 0, whose steps log paces the trial) SIGKILLed from outside at
+    a spread fraction of a step. ``abort_s``: the slowest survivor's abort phase (plan
+    -> its collective released), against the collective's 2 s floor."""
+    names = [f"n{i}" for i in range(nodes)]
+    ks, fracs = fault_steps(trials, steps), step_fractions(trials)
+    out: list[dict[str, Any]] = []
+    with NetnsCluster(["ctl", *names]) as cluster:
+        with LocalStack(
+            work / "rkstack", services=("failure-detector", "elasticity-planner"), cluster=cluster
+        ) as stack:
+            for i, (k, frac) in enumerate(zip(ks, fracs, strict=True)):
+                t = phalanx_trial(
+                    stack,
+                    work,
+                    100 + i,
+                    nproc=nodes,
+                    steps=steps,
+                    step=k,
+                    command=port_command,
+                    fraction=frac,
+                    nodes={n: (1, 1) for n in names},
+                )
+                out.append(t)
+                print(json.dumps({"node_rank_kill_trial": i, **t}), flush=True)
+    aborts = [t["phases"].get("abort", 0.0) for t in out]
+    return {
+        "node_rank_kill_downtime_s": _stats([t["downtime_s"] for t in out]),
+        "node_rank_kill_downtimes_s": [t["downtime_s"] for t in out],
+        "node_rank_kill_abort_max_s": round(max(aborts), 4),
+        "node_rank_kill_detect_ms_median": round(statistics.median(t["detect_ms"] for t in out), 1),
+        "node_rank_kills": trials,
+    }
+
+
 def shard_state_bytes(model: nn.Module, shard: int, shards: int) -> int:
     """One mesh position's state: its shard of every parameter and of AdamW's two
     moments, fp32. FSDP2 shards dim 0 as ``torch.chunk`` does (the last shards may be
@@ -527,6 +584,7 @@ class Runs:
     port_s: list[float] = field(default_factory=list)
     plain_s: list[float] = field(default_factory=list)
     cpu: ControlPlaneCpu = field(default_factory=ControlPlaneCpu)
+    restart_failures: int = 0
 
     def headline(self) -> dict[str, Any]:
         """The figures every mode prints."""
@@ -543,6 +601,7 @@ class Runs:
             "downtime_ratio": None if rs_down is None else round(rs_down / down["median"], 2),
             "phalanx_lost_steps": max(t["lost_steps"] for t in px),
             "restart_lost_steps": statistics.median(t["lost_steps"] for t in rs) if rs else None,
+            "restart_runs_failed": self.restart_failures,
             "phases": {p: round(statistics.median(t["phases"].get(p, 0.0) for t in px), 4) for p in PHASES},
             "phases_p90": {p: _stats([t["phases"].get(p, 0.0) for t in px])["p90"] for p in PHASES},
             "verdict_to_plan_ms": _stats(gaps) if gaps else None,
@@ -571,14 +630,17 @@ def compare(
     baseline_trials: int,
     command: Command,
     plain: Callable[[], list[float]],
-    restart: Callable[[int, int], dict[str, Any]],
+    restart: Callable[[int, int, int], dict[str, Any]],
     pairs: int,
     group_size: int = 1,
 ) -> Runs:
     """Phalanx against its reference, on one stack: ``pairs`` interleaved steady runs
     (``plain()``'s step times, then the port's, fault-free, so machine noise hits both
-    alike), ``trials`` fault trials (``group_size``: see :func:`phalanx_trial`), then ``baseline_trials`` of ``restart(i, k)`` at
-    the same fault steps. Each trial's JSON line is printed as it ends."""
+    alike), ``trials`` fault trials (``group_size``: see :func:`phalanx_trial`), then ``baseline_trials`` of
+    ``restart(i, k, attempt)`` at the same fault steps. Each trial's JSON line is printed as it ends.
+    The baseline is torchrun's restart, not what is measured: under load its restarted
+    worker has aborted now and then (exit -6), so a trial whose torchrun failed is
+    printed, counted (``restart_runs_failed``) and run once more from nothing."""
     runs = Runs(fault_steps(trials, steps), step_fractions(trials))
     with LocalStack(work / "stack", services=("failure-detector", "elasticity-planner")) as stack:
         for _ in range(pairs):
@@ -603,7 +665,18 @@ def compare(
             )
             print(json.dumps({"phalanx_trial": i, **runs.px[-1]}), flush=True)
     for i, k in enumerate(runs.ks[:baseline_trials]):
-        r = restart(i, k)
+        for attempt in range(2):
+            try:
+                r = restart(i, k, attempt)
+                break
+            except TorchrunFailed as exc:
+                runs.restart_failures += 1
+                print(
+                    json.dumps({"restart_trial": i, "attempt": attempt, "torchrun_failed": str(exc)[-600:]}),
+                    flush=True,
+                )
+                if attempt == 1:
+                    raise
         runs.rs.append(r)
         print(
             json.dumps(
@@ -620,9 +693,12 @@ def ddp(args: argparse.Namespace, work: Path, baseline_trials: int) -> dict[str,
     build_corpus(corpus)
     nodes: dict[str, Any] = {}
     if args.nodes:
-        nodes = node_loss_trials(
-            work, nodes=args.nodes, trials=args.node_trials, steps=args.node_steps, corpus=corpus
-        )
+        if args.node_trials:
+            nodes = node_loss_trials(
+                work, nodes=args.nodes, trials=args.node_trials, steps=args.node_steps, corpus=corpus
+            )
+        if args.rank_kills:
+            nodes |= node_rank_kill_trials(work, nodes=args.nodes, trials=args.rank_kills, steps=args.steps)
         if args.skip_single:
             return nodes
     user = args.loop == "user"
@@ -638,11 +714,11 @@ def ddp(args: argparse.Namespace, work: Path, baseline_trials: int) -> dict[str,
             return plain_runs[-1]
         return list(measure_step_time(args.nproc, args.steady_steps, 3, data=corpus)["step_s"][3:])
 
-    def restart(i: int, k: int) -> dict[str, Any]:
+    def restart(i: int, k: int, attempt: int) -> dict[str, Any]:
         if user:
-            return plain_restart_trial(work, i, nproc=args.nproc, steps=args.steps, step=k)
+            return plain_restart_trial(work, i, nproc=args.nproc, steps=args.steps, step=k, attempt=attempt)
         return run_trial(
-            work / f"restart{i}",
+            work / restart_name(i, attempt),
             nproc=args.nproc,
             steps=args.steps,
             kill_at_step=k,
@@ -661,7 +737,7 @@ def ddp(args: argparse.Namespace, work: Path, baseline_trials: int) -> dict[str,
         command=port_command if user else gpt_command(corpus),
         plain=plain,
         restart=restart,
-        pairs=1 if args.quick else 5 if user else 2,
+        pairs=args.pairs or (1 if args.quick else 5 if user else 2),
     )
     pairs = steady_pairs(plain_runs, runs.port_s) if user else {}
     return {
@@ -712,14 +788,15 @@ def hsdp(args: argparse.Namespace, work: Path, baseline_trials: int) -> dict[str
     scripts = hsdp_scripts(replicas, args.model_hidden, args.model_depth)
     every = 10
 
-    def restart(i: int, k: int) -> dict[str, Any]:
-        ckpt = ("--ckpt-dir", str(work / f"restart{i}.dcp"), "--ckpt-every", str(every))
+    def restart(i: int, k: int, attempt: int) -> dict[str, Any]:
+        ckpt = ("--ckpt-dir", str(work / f"{restart_name(i, attempt)}.dcp"), "--ckpt-every", str(every))
         return plain_restart_trial(
             work,
             i,
             nproc=args.nproc,
             steps=args.steps,
             step=k,
+            attempt=attempt,
             module="bench.baseline.fsdp_restart",
             args=(*scripts.extra, *ckpt),
         )
@@ -787,10 +864,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--steady-steps", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="1 trial each, shorter runs")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="ddp: interleaved steady pairs (default 5 with --loop user, else 2)",
+    )
     ap.add_argument("--nodes", type=int, default=0, help="also lose a whole node of N (namespaces)")
     ap.add_argument("--node-trials", type=int, default=5)
     ap.add_argument("--node-steps", type=int, default=30)
     ap.add_argument("--skip-single", action="store_true", help="with --nodes: only the node-loss part")
+    ap.add_argument(
+        "--rank-kills",
+        type=int,
+        default=0,
+        help="with --nodes: also kill one rank (not a node) this many times in a row, one job each, "
+        "on the user-loop DDP port",
+    )
     ap.add_argument(
         "--loop",
         choices=("trainer", "user", "unmodified"),

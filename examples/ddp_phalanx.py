@@ -11,10 +11,15 @@ a joiner) and ``job.steps`` as the loop header; ranks come from ``job.rank``.
 ``--checkpoint-every N`` (``job.checkpoint(every=N)``) also saves that state every
 ``N`` steps to the tiered store (each node runs a keeper, ``state-replication``): the
 same command, relaunched after the whole job was lost, resumes from the newest one.
+
+``--eval-every N`` has rank 0 evaluate the model for ``--eval-s`` seconds every ``N``
+steps while the other ranks wait, inside ``job.pause``, which tells the failure
+detector the ranks may drift that far apart (``--eval-undeclared``: without it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -23,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from phalanx.runtime import ElasticSampler, init
 
-from .mlp import MLP, StepLog, local_device, parse_args, regression_data, save_weights
+from .mlp import MLP, StepLog, evaluate, local_device, parse_args, regression_data, save_weights
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         job.report_loss(loss)  # kept with the step for `phalanx report`
         if job.step_ok:  # a failed step is redone: log it once, when it commits
             log.step(step, loss, job.rank)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            # every rank enters the pause; rank 0 evaluates while the others wait
+            with contextlib.nullcontext() if args.eval_undeclared else job.pause(max_s=4 * args.eval_s + 10):
+                if job.rank == 0:
+                    print(
+                        f"step {step + 1} eval loss {evaluate(model.module, data, args.eval_s, device):.4f}"
+                    )
     if job.rank == 0:
         save_weights(model.module, args.save)
     return 0

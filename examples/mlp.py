@@ -91,6 +91,19 @@ def parse_args(
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", help="rank 0 writes the final weights (state_dict) here")
     p.add_argument("--steps-log", help="rank 0 appends one JSON line per step: step, ms, loss")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="the Phalanx port: every N steps rank 0 evaluates the model for --eval-s seconds while the"
+        " others wait (inside job.pause; the plain script ignores it)",
+    )
+    p.add_argument("--eval-s", type=float, default=5.0, help="how long each evaluation pass runs")
+    p.add_argument(
+        "--eval-undeclared",
+        action="store_true",
+        help="evaluate without job.pause (what a script that declares nothing gets)",
+    )
     args = p.parse_args(argv)
     if sharded and args.replicas < 1:
         p.error("--replicas must be >= 1")
@@ -98,7 +111,29 @@ def parse_args(
         p.error("--steps must be >= 0, --batch-size and --samples >= 1, --dropout in [0, 1)")
     if args.checkpoint_every < 0:
         p.error("--checkpoint-every must be >= 0 (0: no checkpoints)")
+    if args.eval_every < 0 or not args.eval_s > 0:
+        p.error("--eval-every must be >= 0 (0: no evaluation) and --eval-s > 0")
     return args
+
+
+def evaluate(model: nn.Module, data: TensorDataset, seconds: float, device: torch.device) -> float:
+    """An evaluation pass of ``seconds``: the mean loss over ``data``, batch after
+    batch (round and round), until the time is up. ``model`` is the bare module (a DDP
+    model's ``.module``: its forward would sync buffers with the other ranks); in eval
+    mode and without gradients it draws no random numbers (nor does slicing the
+    tensors: a DataLoader's iterator would draw its base seed)."""
+    was_training, total, n = model.training, 0.0, 0
+    model.eval()
+    xs, ys = data.tensors
+    end = time.monotonic() + seconds
+    with torch.no_grad():
+        while time.monotonic() < end:
+            i = (n * 256) % len(xs)
+            x, y = xs[i : i + 256].to(device), ys[i : i + 256].to(device)
+            total += float(nn.functional.mse_loss(model(x), y))
+            n += 1
+    model.train(was_training)
+    return total / max(n, 1)
 
 
 class StepLog:

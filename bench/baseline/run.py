@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.baseline.torchrun import REPO, torchrun_command, torchrun_env
+from bench.baseline.torchrun import REPO, TorchrunFailed, torchrun_command, torchrun_env
 from examples.corpus import DEFAULT_OUT, build_corpus
 
 SCRIPT = REPO / "bench" / "baseline" / "train_ddp.py"
@@ -150,7 +150,7 @@ def run_trial(
     total = time.time() - t0
     if proc.returncode != 0:
         tail = out_path.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"torchrun exited with {proc.returncode}; output tail:\n{tail}")
+        raise TorchrunFailed(f"torchrun exited with {proc.returncode}; output tail:\n{tail}")
     result = summarize(read_log(log))
     if result["final_step"] != steps - 1:
         raise RuntimeError(f"the run ended at step {result['final_step']}, not {steps - 1}")

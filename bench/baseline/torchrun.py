@@ -19,6 +19,11 @@ from phalanx.devstack.natsserver import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
+class TorchrunFailed(RuntimeError):
+    """The baseline itself failed: torchrun exited non-zero (e.g. a restarted worker
+    aborted), so there is nothing to compare against in this run."""
+
+
 def plain_ddp_args(
     steps: int, *extra: str, save: Path | None = None, steps_log: Path | None = None
 ) -> list[str]:

@@ -102,7 +102,7 @@ def run_elastic(estack: LocalStack, corpus: Path, tmp_path_factory: pytest.TempP
 
 def cluster_cli(stack: LocalStack, *args: str) -> None:
     """``phalanx cluster ...`` as an operator runs it (from the host, against the stack's NATS)."""
-    env = {**stack.env, **stack.role_env("admin")}
+    env = {**stack.env, **stack.users.env("admin")}
     done = subprocess.run(
         [sys.executable, "-m", "phalanx.cli", "cluster", *args],
         env=env,
@@ -222,7 +222,7 @@ def test_a_policy_process_proposes_a_committed_resize_and_an_invalid_one_is_reje
     answers: list[dict[str, str]] = []
 
     def propose(r: JobResult) -> None:
-        env = {**estack.env, **estack.role_env("admin")}
+        env = {**estack.env, **estack.users.env("admin")}
         done = subprocess.run(
             [sys.executable, "-m", "tests.workers.propose", "--job", r.job, "5", "3", "2"],
             env=env, capture_output=True, text=True, timeout=60,
@@ -433,7 +433,11 @@ def test_user_loop_with_accumulation_resized_4_2_3_4_matches_the_fixed_run(
     print(f"user loop: loss_max_rel_diff={diff:.3g} over {len(fixed)} steps")
     assert diff <= RTOL
     for name, want in fixed_weights.items():
-        torch.testing.assert_close(weights[name], want, rtol=RTOL, atol=1e-7)
+        # Rounding follows the sizes of the terms summed, not of the result: a weight that
+        # crossed zero keeps an error of the tensor's scale (CI saw 1.1e-7 on a 5.7e-4 entry
+        # whose tensor reaches ~0.3), so the absolute bound is RTOL of the tensor's largest entry.
+        scale = float(want.abs().max())
+        torch.testing.assert_close(weights[name], want, rtol=RTOL, atol=RTOL * scale)
 
 
 def test_user_loop_rescales_its_lr_by_the_rule_when_the_batch_cannot_be_held(

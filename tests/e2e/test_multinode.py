@@ -297,23 +297,14 @@ def torchrun4(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict[
     fault-free run's: DDP's first iteration after a restart buckets the gradients anew,
     and with four ranks another bucket layout sums them in another order -- torchrun's
     own restart ends an ulp away from its fault-free run too.)"""
-    from tests.e2e.test_unmodified import torchrun
+    from tests.e2e.test_unmodified import torchrun_restarted
 
     out = tmp_path_factory.mktemp("torchrun4")
     done: dict[int, dict[str, torch.Tensor]] = {}
 
     def weights(resume: int) -> dict[str, torch.Tensor]:
-        # torchrun's own restart is the reference, not what is tested: under load it has
-        # failed now and then (a clean-clone run); a second run, under a name of its own
-        # (fresh event log), gives the reference. Each failure prints torchrun's log.
-        for attempt in range(2):
-            if resume in done:
-                break
-            name = f"ref{resume}-{attempt}"
-            rc, _, save = torchrun(out, name, nproc=4, max_restarts=1, kill_at=resume + 4)
-            if rc == 0:
-                done[resume] = torch.load(save)
-        assert resume in done, "torchrun's reference run failed twice (its log is printed above)"
+        if resume not in done:
+            done[resume] = torch.load(torchrun_restarted(out, f"ref{resume}", nproc=4, kill_at=resume + 4))
         return done[resume]
 
     return weights

@@ -125,6 +125,23 @@ def test_a_rank_spinning_while_its_mesh_peers_wait_is_the_straggler(
     assert_bitwise_equal(weights, reference)
 
 
+@pytest.mark.parametrize(
+    "hang",
+    ["wedge:w0@collective=2", "wedge:w4@rendezvous=2,wedge:w5@rendezvous=2"],
+    ids=["first_allreduce", "spare_rendezvous"],
+)
+def test_a_rank_hung_joining_a_new_generation_is_replaced(
+    run: Run, reference: dict[str, torch.Tensor], hang: str
+) -> None:
+    # w2 dies in step 3; in generation 2, a survivor hangs inside the first step's
+    # first collective, or the spare that joins hangs inside its first rendezvous
+    result, weights = run(spares=2, faults=f"kill:w2@step=3,{hang}")
+    assert [f.cause for f in result.faults] == [FaultCause.PROCESS_EXIT, FaultCause.COLLECTIVE_HANG]
+    assert actions(result) == [Action.START, Action.REPLACE, Action.REPLACE]
+    assert_recovered(result, generation=3, nproc=NPROC)
+    assert_bitwise_equal(weights, reference)
+
+
 def test_every_replica_of_a_shard_lost_without_a_checkpoint_stops_naming_the_shard(run: Run) -> None:
     # w1 and w3 hold shard 1 in replica groups 0 and 1; two spares join, but no member
     # holds shard 1 and no checkpoint was configured: the stop says that, not the sizes

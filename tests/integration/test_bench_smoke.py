@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from phalanx.devstack.netns import NetnsCluster
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SMOKE = {  # module: (its tiny-size arguments, the keys its last JSON line must carry)
@@ -107,6 +109,19 @@ def test_the_sharded_recovery_benchmark_moves_about_one_shard_per_recovery() -> 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_recovery_benchmark_kills_a_rank_on_the_namespace_cluster_at_tiny_size() -> None:
+    # 2 namespace nodes of 1 rank + 1 spare, one rank kill, no node loss, no single-node part
+    ok, why = NetnsCluster.available()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    args = ["--nodes", "2", "--node-trials", "0", "--rank-kills", "1", "--skip-single", "--steps", "20"]
+    last = last_json_line("bench.recovery", args, timeout_s=280)
+    assert last["node_rank_kills"] == 1 and len(last["node_rank_kill_downtimes_s"]) == 1, last
+    assert {"node_rank_kill_downtime_s", "node_rank_kill_abort_max_s"} <= last.keys(), sorted(last)
+
+
+@pytest.mark.slow
 def test_the_rendezvous_benchmark_runs_both_designs_and_real_gloo_at_tiny_size() -> None:
     # 16 simulated ranks (the counted arrival's smallest world) over 2 worker processes
     # and 2 stores, then 4 real gloo ranks per design: ~20 s, most of it torch imports
@@ -175,17 +190,28 @@ def test_the_unmodified_script_benchmark_runs_every_side_at_tiny_size() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(480)
 def test_the_hangs_benchmark_runs_a_cell_per_fault_kind_and_its_baseline() -> None:
     """bench.hangs --smoke: one trial of a fault from outside (SIGSTOP), one injected
     (a spinning rank) and a hang in a generation's first all-reduce, on the user loop,
-    and the capped torchrun baseline of that rung."""
+    the capped torchrun baseline of that rung, and a short soak with evaluation pauses."""
+    soak = ["--soak-s", "6", "--eval-every-s", "3", "--eval-s", "1"]
     last = last_json_line(
         "bench.hangs",
-        ["--smoke", "--rungs", "ddp", "--faults", "sigstop,spin,first_allreduce", "--baseline-cap", "5"],
-        timeout_s=380,
+        [
+            "--smoke",
+            "--rungs",
+            "ddp",
+            "--faults",
+            "sigstop,spin,first_allreduce",
+            "--baseline-cap",
+            "5",
+            *soak,
+        ],
+        timeout_s=460,
     )
-    assert {"cells", "abort_p99_s", "not_run", "baseline"} <= last.keys(), sorted(last)
+    assert {"cells", "abort_p99_s", "not_run", "baseline", "soak"} <= last.keys(), sorted(last)
+    assert {"false_verdicts", "declared", "undeclared", "eval_every_steps"} <= last["soak"].keys()
     assert set(last["cells"]) == {"ddp/sigstop", "ddp/spin", "ddp/first_allreduce"}
     for cell in last["cells"].values():
         assert {"median", "p90", "max", "trials"} <= cell.keys()

@@ -16,7 +16,7 @@ A comma-separated list of ``action:worker@point``:
   sharded model (``job.mesh``) as the step's first collective starts, the
   forward's first all-gather, at the step boundary), ``reduce=N`` (a sharded
   model's step N, as its first gradient reduce-scatter starts: mid-step, in the
-  backward pass),
+  backward pass), ``pause=N`` (in step N, as the rank enters ``job.pause``),
   ``collective=G`` (the same place in the first step of generation G: its first
   gradient all-reduce), ``recovery=G`` (as the worker starts joining generation
   G, before its rendezvous), ``rendezvous=G`` (inside G's rendezvous, once every

@@ -26,6 +26,7 @@ for later generations.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -123,6 +124,11 @@ class Job:
         now is skipped, never waited for. A ``job.mesh()`` job: every rank saves its
         shards, loaded when every replica of a shard is lost (:mod:`phalanx.runtime.tiered`)."""
         self.loop.checkpoint(every)
+
+    def pause(self, max_s: float) -> contextlib.AbstractContextManager[None]:
+        """A part of a step where ranks may drift up to ``max_s`` seconds apart (rank
+        0's evaluation or save), entered by every rank (:mod:`phalanx.runtime.pause`)."""
+        return self.loop.pauses.pause(max_s)
 
     def on_resize(self, hook: Callable[[int, int, NodePlan], None]) -> None:
         """``hook(old_world, new_world, plan)`` after a resize (see :meth:`UserLoop.on_resize`)."""

@@ -144,6 +144,7 @@ from phalanx.contract import BatchPlan, NodePlan, Phase
 from phalanx.runtime.buckets import Layout, LayoutError, Remap, done, layout_of
 from phalanx.runtime.comm import CommError, Communicator, Group
 from phalanx.runtime.mesh import Mesh
+from phalanx.runtime.pause import Pauses
 from phalanx.runtime.rng import rng_state, set_rng_state
 from phalanx.runtime.sampler import ElasticSampler, concat, per_step
 from phalanx.runtime.session import Member, RecoveryError, Removed, Session
@@ -177,6 +178,7 @@ class UserLoop:
         self._failed: CommError | None = None
         self._stepped = False  # the tracked optimizers stepped in the step in flight
         self._late: CommError | None = None  # a collective of the step failed after that
+        self.pauses = Pauses(job)  # job.pause() in the step in flight
         self._hooked = False
         self._final = True  # the micro-batch in flight is the step's last: its backward reduces
         self._vote = ResizeVote()  # this step's, beside its gradient all-reduces
@@ -327,6 +329,7 @@ class UserLoop:
                     yield session.step, MicroBatches(self, parts) if accumulate else _joined(parts)
                 finally:
                     self._in_step = False
+                    self.pauses.end()
                 failed = self._failed
                 if failed is not None:
                     self._vote.drop()
@@ -335,11 +338,11 @@ class UserLoop:
                     session.reconfigure(failed, self._restore)
                     continue
                 # a collective failed after the update (a metric's): the step stands
-                switch, late = self._vote.outcome(session, self._late)
+                switch, late = self._vote.outcome(session, self._late or self.pauses.failed)
                 self._held = None
                 sampler.advance(loader.batch_size * session.world_size * self._per_step(session.world_size))
                 loss = None if self._loss is None else float(self._loss)
-                session.committed((time.perf_counter() - t0) * 1000.0, wall0, loss)
+                session.committed((time.perf_counter() - t0 - self.pauses.seconds) * 1000.0, wall0, loss)
                 if self.checkpoints is not None and self.checkpoints.due(session.step) and late is None:
                     late = self.checkpoints.save(session.step, session.rank, session.bounds.backstop_s)
                 if self.snapshots is not None:  # a skipped save (None) is the Checkpointer's to report
@@ -427,8 +430,7 @@ class UserLoop:
         layout = self._source_layout if self._received else self._layout
         if layout is None and self._reducer_used:
             _remake_reducer(self)  # everyone starts over with DDP's first-iteration buckets
-        self._layout = layout
-        self._source_layout = None
+        self._layout, self._source_layout = layout, None
         key = (session.step, world_size, rank)
         held = self._held
         if self._received or held is None or held[0] != key:
@@ -537,6 +539,7 @@ class UserLoop:
         buckets are the generation's or must be mapped onto them (:mod:`.buckets`)."""
         self._failed, self._hooked, self._in_step = None, False, True
         self._stepped, self._late, self._final = False, None, True
+        self.pauses.begin(session.step, session.bounds.floor_s)
         self._vote.drop()
         self._bound = bound = session.collective_bound_s()
         self._scale = 1.0 / session.world_size

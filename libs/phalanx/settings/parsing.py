@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 _JOB = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _FAULT = re.compile(
-    r"^(kill|stop|stall|spin|exit|break|wedge):([A-Za-z0-9_-]+)@(step|reduce|recovery|rendezvous|transfer|collective)=(\d+)$"
+    r"^(kill|stop|stall|spin|exit|break|wedge):([A-Za-z0-9_-]+)@(step|reduce|pause|recovery|rendezvous|transfer|collective)=(\d+)$"
 )
 _NOT_AT_RECOVERY = ("wedge",)  # wedge: inside a collective (a step's, a rendezvous', a transfer's)
 
@@ -314,8 +314,8 @@ class Fault:
 
 
 def parse_faults(spec: str) -> tuple[Fault, ...]:
-    """``action:worker@point=N``, comma-separated (points: ``step``, ``reduce``, ``recovery``,
-    ``rendezvous``, ``transfer``, ``collective``: :mod:`phalanx.runtime.faults`); a
+    """``action:worker@point=N``, comma-separated (points: ``step``, ``reduce``, ``pause``,
+    ``recovery``, ``rendezvous``, ``transfer``, ``collective``: :mod:`phalanx.runtime.faults`); a
     ValueError naming the bad entry (``wedge`` strikes inside a collective, never at
     ``recovery``).
 
@@ -327,7 +327,7 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
         m = _FAULT.match(part)
         if not m or (m[1] in _NOT_AT_RECOVERY and m[3] == "recovery"):
             raise ValueError(
-                f"bad fault {part!r}: want action:worker@step=N, @reduce=N, or @recovery=G, @rendezvous=G,"
+                f"bad fault {part!r}: want action:worker@step=N, @reduce=N, @pause=N, or @recovery=G, @rendezvous=G,"
                 " @transfer=G, @collective=G (wedge: not at recovery)"
             )
         faults.append(Fault(m[1], m[2], m[3], int(m[4])))
