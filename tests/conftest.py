@@ -86,6 +86,20 @@ def _shm_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _logins_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Local control planes (``phalanx up``, a private one of ``phalanx run``) leave their
+    logins under PHALANX_LOGINS_DIR, not in the home directory of whoever runs the tests."""
+    path = tmp_path_factory.mktemp("logins")
+    saved = os.environ.get("PHALANX_LOGINS_DIR")
+    os.environ["PHALANX_LOGINS_DIR"] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop("PHALANX_LOGINS_DIR", None)
+    else:
+        os.environ["PHALANX_LOGINS_DIR"] = saved
+
+
 @pytest.fixture(autouse=True)
 def _keeper_key(monkeypatch: pytest.MonkeyPatch) -> str:
     """The keepers' cluster key (phalanx.checkpoint.peerauth): every keeper refuses to start

@@ -59,6 +59,8 @@ state-replication (:class:`ReplicationMetrics`)
     ``phalanx_checkpoint_bytes_total{job,tier}``: bytes of the copies that became
     complete. ``phalanx_checkpoint_newest_step{job,tier}``: newest step this
     keeper made complete in each tier.
+    ``phalanx_checkpoint_replicas_missing{job}``: peer replicas that checkpoints this
+    keeper took still miss (each retried with backoff until it exists).
 
 launcher (:class:`LauncherMetrics`)
     ``phalanx_step_seconds{job,node}``: histogram of the step time of each
@@ -222,6 +224,21 @@ class ReplicationMetrics(Metrics):
             ("job", "tier"),
         )
         self._newest: dict[tuple[str, str], int] = {}
+        self.replicas_missing = self._gauge(
+            "phalanx_checkpoint_replicas_missing",
+            "Peer replicas that checkpoints this keeper took still miss (retried until made).",
+            ("job",),
+        )
+        self._missing: dict[str, dict[str, int]] = {}  # job -> checkpoint -> replicas missing
+
+    def replicas_changed(self, job: str, checkpoint: str, missing: int) -> None:
+        """``checkpoint`` (``<job or part>@<step>``) of ``job`` misses ``missing`` replicas."""
+        of_job = self._missing.setdefault(job, {})
+        if missing:
+            of_job[checkpoint] = missing
+        else:
+            of_job.pop(checkpoint, None)
+        self.replicas_missing.labels(job).set(sum(of_job.values()))
 
     def copy_changed(self, job: str, tier: str, state: str, step: int, nbytes: int) -> None:
         self.copies.labels(job, tier, state).inc()

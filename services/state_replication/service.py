@@ -36,10 +36,18 @@ refused at start):
   fetch (:mod:`phalanx.checkpoint.peerauth`);
 - bounds on what a peer may hold: ``PHALANX_KEEPER_TIMEOUT_S`` (30, each read or
   write), ``PHALANX_KEEPER_AUTH_TIMEOUT_S`` (5), ``PHALANX_KEEPER_MIN_RATE`` (8 MiB/s
-  on the whole transfer), ``PHALANX_KEEPER_MAX_CONNECTIONS`` (64) and
-  ``_PER_PEER`` (8), ``PHALANX_KEEPER_MAX_FILLS`` (2 copies received or restored at
+  on the whole transfer), ``PHALANX_KEEPER_MAX_CONNECTIONS`` (64 authenticated) and
+  ``_PER_PEER`` (8), ``PHALANX_KEEPER_MAX_HANDSHAKES`` (64 not yet authenticated) and
+  ``_PER_PEER`` (4), ``PHALANX_KEEPER_AUTH_FAILURE_BURST`` (8 failed handshakes in a
+  row from one address, then it is refused at once) and ``_REFILL_S`` (10: one more
+  try each), ``PHALANX_KEEPER_MAX_FILLS`` (2 copies received or restored at
   once), ``PHALANX_CKPT_MAX_BYTES`` (64 GiB) and ``PHALANX_KEEPER_SHM_RESERVE_BYTES``
   (256 MiB of shared memory a receive leaves free);
+- bounds on what a local process may hold on the ranks' socket (checked, with its uid,
+  before a byte is read): ``PHALANX_KEEPER_RANK_MAX_CONNECTIONS`` (64) and ``_PER_UID``
+  (32), ``PHALANX_KEEPER_MAX_REQUEST_BYTES`` (1 MiB: a register of a DCP set of 4096
+  ranks is ~350 KiB); only root, the keeper's uid and the uids of
+  ``PHALANX_CKPT_JOB_UIDS`` may connect;
 - ``PHALANX_CKPT_JOB_UIDS`` (unset): ``job=uid,...``, the uid each job's ranks run as
   on this node (a job not listed: the keeper's own uid). The keeper takes a job's
   slots only from a directory and files that uid owns, accepts ``register`` only from
@@ -97,6 +105,13 @@ def keeper_config(node: str) -> KeeperConfig:
         shm_reserve_bytes=settings.keeper_shm_reserve_bytes,
         max_connections=settings.keeper_max_connections,
         max_connections_per_peer=settings.keeper_max_connections_per_peer,
+        max_handshakes=settings.keeper_max_handshakes,
+        max_handshakes_per_peer=settings.keeper_max_handshakes_per_peer,
+        auth_failure_burst=settings.keeper_auth_failure_burst,
+        auth_failure_refill_s=settings.keeper_auth_failure_refill_s,
+        rank_max_connections=settings.keeper_rank_max_connections,
+        rank_max_connections_per_uid=settings.keeper_rank_max_connections_per_uid,
+        max_request_bytes=settings.keeper_max_request_bytes,
         max_fills=settings.keeper_max_fills,
         job_uids=settings.ckpt_job_uids,
         retry=RetryPolicy(max_s=settings.ckpt_retry_max_s),
@@ -138,6 +153,7 @@ class StateReplication(Service):
         self.node = node or node_name()
         self.keeper = Keeper(bus, keeper or keeper_config(self.node))
         self.keeper.on_copy = self.metrics.copy_changed
+        self.keeper.on_replicas = self.metrics.replicas_changed
         self.jobs: dict[str, JobView] = {}
         self.plans = 0
         self.recoveries = 0

@@ -65,10 +65,10 @@ def test_recovery_with_every_process_in_its_role(
     auth = NatsAuth(others).with_job(JOB, WORKERS)
     auth.write_config(auth_stack.workdir / "nats.conf", listen=None)  # where LocalStack wrote it
     auth_stack.server.reload()
-    stack_env = auth_stack.role_env
+    stack_env = auth_stack.users.env
     job_env = {"launcher": auth.env("launcher", JOB), "rank": {}}  # ranks: each its own, from the launcher
     monkeypatch.setattr(
-        auth_stack, "role_env", lambda role: job_env[role] if role in job_env else stack_env(role)
+        auth_stack.users, "env", lambda role: job_env[role] if role in job_env else stack_env(role)
     )
     save = tmp_path / "weights.pt"
     cmd = train_command(STEPS, corpus, *SMALL_GPT, save=save)

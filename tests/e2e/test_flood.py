@@ -90,10 +90,10 @@ def test_a_flooding_rank_neither_stops_a_recovery_nor_fills_the_store(
     auth = NatsAuth(others).with_job(JOB, WORKERS)
     auth.write_config(stack.workdir / "nats.conf", listen=None)  # where LocalStack wrote it
     stack.server.reload()
-    stack_env_of = stack.role_env
+    stack_env_of = stack.users.env
     job_env = {"launcher": auth.env("launcher", JOB), "rank": {}}  # ranks: each its own, from the launcher
     monkeypatch.setattr(
-        stack, "role_env", lambda role: job_env[role] if role in job_env else stack_env_of(role)
+        stack.users, "env", lambda role: job_env[role] if role in job_env else stack_env_of(role)
     )
 
     perms = auth.credentials("rank", JOB, FLOODER).permissions()

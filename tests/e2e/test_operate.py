@@ -24,7 +24,7 @@ import pytest
 
 from examples.train_gpt import SMALL
 from phalanx.devstack.natsserver import free_port
-from tests.procs import alive, descendants
+from tests.procs import NOBODY, alive, as_uid, descendants, nats_connect_without_login, read_or_why
 
 pytestmark = pytest.mark.slow
 
@@ -88,6 +88,11 @@ def test_up_run_status_through_a_recovery_then_sigterm_stops_everything(
 ) -> None:
     proc, url, work = up
     job = "operate"
+    # Another local user gets nothing: the server wants a login, and the logins `up` left
+    # for the commands below (which use them unasked) are not its to read.
+    assert "Authorization Violation" in as_uid(NOBODY, lambda: nats_connect_without_login(url))
+    logins = next(Path(os.environ["PHALANX_LOGINS_DIR"]).glob(f"*-{url.rsplit(':', 1)[1]}"))
+    assert as_uid(NOBODY, lambda: read_or_why(logins / "admin.env")).startswith("PermissionError")
     train = [sys.executable, "-m", "examples.train_gpt", "--steps", "100000", "--data", str(corpus), *SMALL]
     run = subprocess.Popen(
         [*PHALANX, "run", "--nproc", "2", "--spares", "1", "--job", job, "--log-dir", str(tmp_path / "logs"), "--",

@@ -42,6 +42,7 @@ from phalanx.bus.auth import (
     PermissionDenied,
 )
 from phalanx.bus.keywatch import KeyWatch
+from phalanx.bus.kv import kv_decode
 from phalanx.bus.topology import bucket_limits, ensure_bucket, ensure_topology
 from phalanx.contract import (
     CollectiveError,
@@ -59,7 +60,7 @@ from phalanx.contract import (
     encode,
     headers_for,
 )
-from phalanx.contract.permissions import KV_STREAM
+from phalanx.contract.permissions import KV_STREAM, WATCH_SLOTS, watch_names
 from phalanx.contract.streams import BUCKET_HISTORY, COMMANDS, EVENTS, JOBS_BUCKET
 from phalanx.contract.subjects import COMM_ERROR, HEARTBEAT, JOB_SPEC, JOINED, PLAN, REGISTERED
 from phalanx.devstack.natsserver import NatsServer
@@ -467,7 +468,8 @@ async def test_a_jobs_rank_follows_its_record_and_reads_nothing_else(srv: AuthSe
         entry = await asyncio.wait_for(anext(watcher), WAIT_S)
         return decode(entry.value or b"", headers_for(Plan), Plan).reason
 
-    watcher = await KeyWatch.start(rank.nc, JOBS_BUCKET, f"{JOB}.plan")
+    names = watch_names(srv.auth.credentials("rank", JOB, "w1").user)
+    watcher = await KeyWatch.start(rank.nc, JOBS_BUCKET, f"{JOB}.plan", names=names)
     assert await next_reason(watcher) == "first"  # the latest value, replayed
     await kv.put(f"{JOB}.plan", encode(plan(2, "second"))[0])
     assert await next_reason(watcher) == "second"
@@ -486,6 +488,71 @@ async def test_a_jobs_rank_follows_its_record_and_reads_nothing_else(srv: AuthSe
     for api in (f"$KV.{JOBS_BUCKET}.{JOB}.plan", f"$JS.API.STREAM.MSG.GET.{EVENTS.name}"):
         assert api.lower() in rank.denied, api
     assert (await kv.get(f"{JOB}.plan")).revision == 2
+
+
+async def test_a_rank_holds_at_most_its_few_watches_and_no_job_loses_its_own(srv: AuthServer) -> None:
+    """A rank may create consumers on the shared jobs bucket only under its user's
+    :func:`watch_names`: fifty durable consumers under names of its choosing (both API
+    forms) are refused, the few it may hold it holds (durable ones too, and it may delete
+    them), and with every one of them held another job's rank, the planner and the rank
+    itself still start their watches of a plan."""
+    planner = await srv.connect("planner")
+    kv = await planner.js.key_value(JOBS_BUCKET)
+    for job in (JOB, OTHER):
+        await kv.put(f"{job}.plan", encode(JobRecord(job=job, token=1, plan=plan(1, job)))[0])
+    user = srv.auth.credentials("rank", JOB, "w1").user
+    rank = await srv.connect("rank", name="rank-w1", job=JOB, worker="w1")
+    key = f"$KV.{JOBS_BUCKET}.{JOB}.plan"
+    api = "$JS.API"
+
+    def durable(name: str) -> bytes:  # no inactive threshold: it would outlive a server restart
+        config = {"durable_name": name, "deliver_subject": rank.nc.new_inbox(), "filter_subject": key}
+        return json.dumps({"stream_name": KV_STREAM, "config": config, "action": "create"}).encode()
+
+    with capture_logs() as logs:
+        flood = [f"squat{i}" for i in range(50)]
+        results = await asyncio.gather(
+            *(
+                rank.nc.request(f"{api}.CONSUMER.CREATE.{KV_STREAM}.{n}.{key}", durable(n), 1.0)
+                for n in flood
+            ),
+            *(
+                rank.nc.request(f"{api}.CONSUMER.DURABLE.CREATE.{KV_STREAM}.{n}", durable(n), 1.0)
+                for n in flood
+            ),
+            return_exceptions=True,
+        )
+    assert all(isinstance(r, nats.errors.TimeoutError) for r in results), results
+    assert any(e.get("event") == "permission_denied" for e in logs)
+    names = watch_names(user)
+    for name in names:  # what it may hold, it holds: durable, no subscription behind them
+        reply = await rank.nc.request(
+            f"{api}.CONSUMER.CREATE.{KV_STREAM}.{name}.{key}", durable(name), WAIT_S
+        )
+        assert "error" not in json.loads(reply.data), reply.data
+    assert (await planner.js.stream_info(KV_STREAM)).state.consumer_count == WATCH_SLOTS == len(names)
+
+    async def first_plan(bus: Bus, job: str) -> str:
+        watch = await bus.kv.watch(JOBS_BUCKET, f"{job}.plan")
+        try:
+            entry = await asyncio.wait_for(anext(watch), WAIT_S)
+            record = kv_decode(entry.value, JobRecord)
+            assert record.plan is not None
+            return record.plan.reason
+        finally:
+            await watch.stop()
+
+    other = await srv.connect("rank", name="rank-other", job=OTHER, worker="w0")
+    assert await first_plan(other, OTHER) == OTHER
+    assert await first_plan(rank, JOB) == JOB  # every name held by its own leftovers: one taken over
+    watcher = await kv.watch(f"{JOB}.plan")  # the planner's own (nats.py's, any name)
+    assert (await asyncio.wait_for(watcher.updates(), WAIT_S)) is not None
+    await watcher.stop()
+    for name in names:  # its own, it may delete
+        reply = await rank.nc.request(f"{api}.CONSUMER.DELETE.{KV_STREAM}.{name}", b"", WAIT_S)
+        assert json.loads(reply.data).get("error", {}).get("code") in (None, 404), reply.data
+    left = {c.name for c in await planner.js.consumers_info(KV_STREAM)}
+    assert not left & set(names), left  # (the planner's own watch goes once it is inactive)
 
 
 async def test_another_jobs_users_cannot_read_a_jobs_plan_or_its_secret(srv: AuthServer) -> None:
@@ -524,9 +591,11 @@ async def test_another_jobs_users_cannot_read_a_jobs_plan_or_its_secret(srv: Aut
             ]
             results = await asyncio.gather(*attempts, return_exceptions=True)
             assert all(isinstance(r, nats.errors.TimeoutError) for r in results), results
-            # Its own key in the API subject (allowed) and A's filter in the body: the server refuses.
+            # Its own name and key in the API subject (allowed), A's filter in the body: the server refuses.
+            name = watch_names(srv.auth.credentials(role, OTHER, worker).user)[0]
+            body_filter["name"] = name
             reply = await intruder.nc.request(
-                f"{api}.CONSUMER.CREATE.{KV_STREAM}.peek.{own}",
+                f"{api}.CONSUMER.CREATE.{KV_STREAM}.{name}.{own}",
                 json.dumps({"stream_name": KV_STREAM, "config": body_filter, "action": "create"}).encode(),
                 timeout=WAIT_S,
             )
@@ -583,7 +652,10 @@ async def test_a_jobs_bucket_from_before_direct_gets_gets_them_from_the_planner(
     await admin.js.delete_key_value(JOBS_BUCKET)
     limits = bucket_limits(JOBS_BUCKET)
     old = await admin.js.create_key_value(  # as it was made: all but direct gets
-        bucket=JOBS_BUCKET, history=BUCKET_HISTORY, max_bytes=limits.max_bytes, max_value_size=limits.max_msg_size
+        bucket=JOBS_BUCKET,
+        history=BUCKET_HISTORY,
+        max_bytes=limits.max_bytes,
+        max_value_size=limits.max_msg_size,
     )
     await old.put(f"{JOB}.plan", encode(plan(1, "first"))[0])
     rank = await srv.connect("rank", name="rank-w0", job=JOB, worker="w0")

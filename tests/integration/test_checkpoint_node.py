@@ -14,7 +14,6 @@ import asyncio
 import inspect
 import os
 import shutil
-import socket
 import struct
 import subprocess
 import uuid
@@ -35,6 +34,7 @@ from phalanx.contract.subjects import CHECKPOINT
 from phalanx.devstack.natsserver import NatsServer
 from phalanx.devstack.s3server import S3Server
 from tests.integration.test_checkpoint import JOB, Cluster, assert_state_equal, in_thread, state_at
+from tests.procs import as_uid, unix_call
 
 FAST = RetryPolicy(first_s=0.2, factor=2.0, max_s=1.0)
 OTHER_UID = 4242  # another job's uid
@@ -92,35 +92,11 @@ def slot_path(c: Cluster, node: str, job: str, name: str) -> Path:
     return c.shm / node / "slots" / job / name
 
 
-def call_as(uid: int, sock: str, request: dict[str, object]) -> bytes:
-    """``request`` to the keeper's Unix socket from a process running as ``uid`` (a fork
-    that drops to it and uses nothing but a socket); the raw reply."""
-    frame = wire.encode_frame(request)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            with socket.socket(socket.AF_UNIX) as s:
-                s.settimeout(30)
-                s.connect(sock)
-                s.sendall(frame)
-                while chunk := s.recv(65536):
-                    os.write(w, chunk)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    out = b""
-    while chunk := os.read(r, 65536):
-        out += chunk
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, out
-    return out
+def call_as(uid: int, sock: str, send: bytes | dict[str, object]) -> bytes:
+    """``send`` (a request, or raw bytes) to the keeper's Unix socket from a process
+    running as ``uid`` (a fork that drops to it and uses nothing but a socket); the raw reply."""
+    frame = send if isinstance(send, bytes) else wire.encode_frame(send)
+    return bytes(as_uid(uid, lambda: unix_call(sock, frame)))
 
 
 # -- per-job isolation -------------------------------------------------------------------------

@@ -206,7 +206,9 @@ async def test_watch_follows_plans_steps_decisions_and_signals(bus: Bus, client:
             ["s0"],
         )
         # subscribed now (the stored plan is read after subscribing)
-        await bus.nc.publish(PLAN.format(job=JOB), b"junk", headers={"Phalanx-Kind": "plan"})  # refused, dropped
+        await bus.nc.publish(
+            PLAN.format(job=JOB), b"junk", headers={"Phalanx-Kind": "plan"}
+        )  # refused, dropped
         await publish_digest(bus, digest(1, 5, 100.0, 1))
         await publish_digest(bus, digest(1, 5, 100.0, 2))
         notice = PreemptionNotice(cluster="c1", job="other", workers=["x"], deadline_s=5, source="t")

@@ -700,7 +700,9 @@ async def test_a_flood_of_malformed_heartbeats_is_rate_limited_and_blinds_nothin
 
     async def send() -> None:
         for k in range(flood):  # malformed msgpack, on every rank's subject
-            await bus.nc.publish(f"phalanx.hb.j1.w{k % 3}", b"\xc1\xff" + k.to_bytes(4, "big"), headers=headers)
+            await bus.nc.publish(
+                f"phalanx.hb.j1.w{k % 3}", b"\xc1\xff" + k.to_bytes(4, "big"), headers=headers
+            )
             if k % 250 == 0:
                 await asyncio.sleep(0)  # the ranks' heartbeats go out in between
         await bus.nc.flush()

@@ -273,7 +273,7 @@ async def test_idle_and_stalled_connections_hold_nothing(cluster: Cluster, bus: 
         finally:
             for _, writer in conns:
                 writer.close()
-    assert any(e.get("error") == "too many connections" for e in logs)  # turned away, and logged
+    assert any("too many connections" in e.get("error", "") for e in logs)  # turned away, and logged
     assert any(e["event"] == "peer_unauthenticated" for e in logs)
 
 
@@ -317,7 +317,7 @@ async def test_an_authenticated_peer_that_stalls_mid_transfer_is_dropped(cluster
     replicas = cluster.shm / "n2" / "replicas" / JOB
     assert [p.name for p in replicas.iterdir()] == [step_key(7)]  # no partial copy left
     assert n2.memory[(JOB, 7)].manifest.encode() == before and n2.memory[(JOB, 7)].intact()
-    assert n2.shm._fills._value == n2.cfg.max_fills and not n2.peers._conns  # nothing held
+    assert n2.shm._fills._value == n2.cfg.max_fills and not n2.peers.sessions.held()  # nothing held
 
 
 async def test_a_declared_huge_size_is_refused_before_anything_is_allocated(

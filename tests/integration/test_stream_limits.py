@@ -192,8 +192,12 @@ async def test_a_rebinding_client_re_creates_what_is_lost_and_changes_nothing_th
         await ensure_topology(js, create_only=True)
 
         assert (await js.stream_info(EVENTS.name)).config.max_bytes == events.max_bytes // 2
-        assert (await js.stream_info(STREAMS[-1].name)).config.max_bytes == stream_limits(STREAMS[-1]).max_bytes
-        assert (await js.stream_info(f"KV_{BUCKETS[-1]}")).config.max_bytes == bucket_limits(BUCKETS[-1]).max_bytes
+        assert (await js.stream_info(STREAMS[-1].name)).config.max_bytes == stream_limits(
+            STREAMS[-1]
+        ).max_bytes
+        assert (await js.stream_info(f"KV_{BUCKETS[-1]}")).config.max_bytes == bucket_limits(
+            BUCKETS[-1]
+        ).max_bytes
 
         await ensure_topology(js)
         assert (await js.stream_info(EVENTS.name)).config.max_bytes == events.max_bytes

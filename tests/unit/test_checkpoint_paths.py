@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from phalanx.checkpoint import paths
-from phalanx.checkpoint.slots import SlotError, SlotFile, own_job_dir, scan
+from phalanx.checkpoint.jobdirs import own_job_dir
+from phalanx.checkpoint.slots import SlotError, SlotFile, scan
 from phalanx.checkpoint.tiers import RetryPolicy
 from phalanx.settings import parse_job_uids
 
@@ -88,14 +89,21 @@ def test_a_malformed_slot_header_is_a_slot_error(
     assert _slot(tmp_path, 2).header().step == 5
 
 
-def test_a_rank_refuses_a_job_directory_of_another_uid_and_the_scan_reports_it(tmp_path: Path) -> None:
-    fd = own_job_dir(tmp_path / "n1", "slots", "j1")
-    os.close(fd)
+def test_a_rank_refuses_a_job_directory_writable_by_all_and_the_scan_reports_it(tmp_path: Path) -> None:
+    own = own_job_dir(tmp_path / "n1", "slots", "j1")
+    os.close(own.fd)
+    assert own.squatted == "" and own.path == tmp_path / "n1" / "slots" / "j1"
     assert oct((tmp_path / "n1" / "slots").stat().st_mode & 0o7777) == "0o1777"
     assert oct((tmp_path / "n1" / "slots" / "j1").stat().st_mode & 0o777) == "0o770"
     os.chmod(tmp_path / "n1" / "slots" / "j1", 0o777)
-    with pytest.raises(PermissionError, match="writable by every user"):
-        own_job_dir(tmp_path / "n1", "slots", "j1")
+    # Not used: the rank goes on in a fallback directory of its own, the same one each time.
+    fallback = own_job_dir(tmp_path / "n1", "slots", "j1")
+    os.close(fallback.fd)
+    assert "writable by every user" in fallback.squatted and fallback.path.name.startswith("j1.")
+    assert oct(fallback.path.stat().st_mode & 0o777) == "0o770"
+    again = own_job_dir(tmp_path / "n1", "slots", "j1")
+    os.close(again.fd)
+    assert again.path == fallback.path
     found = scan(tmp_path, "n1", lambda job: os.geteuid())
     assert found.slots == [] and [why for _p, why in found.refused] == [
         f"{tmp_path / 'n1' / 'slots' / 'j1'} is writable by every user (mode drwxrwxrwx)"

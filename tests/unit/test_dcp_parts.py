@@ -4,6 +4,7 @@ and the file system a TieredReader hands DCP."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -56,12 +57,24 @@ def test_dcp_opens_verified_files_only(tmp_path: Path) -> None:
 
     f = tmp_path / "__0_0.distcp"
     f.write_bytes(b"data")
-    fs = _VerifiedFiles({"__0_0.distcp": f})
-    with fs.create_stream(fs.concat_path(tmp_path, "__0_0.distcp"), "rb") as s:
-        assert s.read() == b"data"
-    with pytest.raises(ManifestError, match="no verified file"):
-        fs.concat_path(tmp_path, "__1_0.distcp")
-    with pytest.raises(ManifestError, match="no verified file"), fs.create_stream(tmp_path / "other", "rb"):
-        pass
-    with pytest.raises(ManifestError, match="no verified file"), fs.create_stream(f, "wb"):
-        pass
+    fs = _VerifiedFiles({"__0_0.distcp": os.open(f, os.O_RDONLY)})
+    f.unlink()
+    f.write_bytes(b"swapped")  # another file under the name after the check: never read
+    try:
+        for _ in range(2):  # each stream from the start of the one descriptor
+            with fs.create_stream(fs.concat_path(tmp_path, "__0_0.distcp"), "rb") as s:
+                assert s.read() == b"data"
+        with pytest.raises(ManifestError, match="no verified file"):
+            fs.concat_path(tmp_path, "__1_0.distcp")
+        with (
+            pytest.raises(ManifestError, match="no verified file"),
+            fs.create_stream(tmp_path / "other", "rb"),
+        ):
+            pass
+        with pytest.raises(ManifestError, match="no verified file"), fs.create_stream(str(f), "rb"):
+            pass
+        with pytest.raises(ManifestError, match="no verified file"), fs.create_stream("__0_0.distcp", "wb"):
+            pass
+    finally:
+        fs.close()
+    assert fs.files == {}

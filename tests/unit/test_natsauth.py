@@ -34,10 +34,12 @@ from phalanx.contract.permissions import (
     ROLE_OF_PARTY,
     ROLES,
     SERVICES,
+    WATCH_SLOTS,
     Permissions,
     permissions,
     received_by,
     user_name,
+    watch_names,
 )
 from phalanx.contract.proto import PARTIES
 from phalanx.contract.proto import subject_matches as matches
@@ -314,12 +316,19 @@ def test_a_jobs_user_follows_its_record_and_nothing_else_of_jetstream(role: str)
     assert not may_publish(perms, f"$JS.API.DIRECT.GET.{kv}.{other}")
     assert not may_publish(perms, f"$JS.API.DIRECT.GET.{kv}")  # the form with the subject in the body
     assert not may_publish(perms, f"$JS.API.STREAM.MSG.GET.{kv}")
-    # ... and watched by a consumer named with the key (KeyWatch), never nats.py's unnamed one
-    assert may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.w1.{key}")
+    # ... and watched by a consumer named with the key (KeyWatch), never nats.py's unnamed one,
+    # and only under one of its user's few names (no user can fill the bucket's consumer limit)
+    names = watch_names(user_name(role, "j1"))
+    assert len(names) == WATCH_SLOTS and not set(names) & set(watch_names(user_name(role, "j2")))
+    for w in names:
+        assert may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.{w}.{key}")
+        assert may_publish(perms, f"$JS.API.CONSUMER.DELETE.{kv}.{w}")  # its own watch, stopped
+        assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.{w}.{other}")
+        assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.{w}.$KV.phalanx_jobs.>")
+        assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.{w}")
+    assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.w1.{key}")  # a name of its choosing
+    assert not may_publish(perms, f"$JS.API.CONSUMER.DELETE.{kv}.w1")  # nor another's
     assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}")
-    assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.w1")
-    assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.w1.{other}")
-    assert not may_publish(perms, f"$JS.API.CONSUMER.CREATE.{kv}.w1.$KV.phalanx_jobs.>")
     assert not may_publish(perms, f"$JS.API.CONSUMER.INFO.{kv}.w1")  # nor another's watch consumer
     assert not may_publish(perms, f"$JS.API.CONSUMER.DURABLE.CREATE.{kv}.w1")
     assert not may_publish(perms, key) and not may_publish(perms, f"$JS.API.STREAM.PURGE.{kv}")

@@ -114,6 +114,7 @@ class Bus:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.name = name
+        self.user: str | None = None  # the NATS user it logged in as, set by connect
         self.log = get_logger(component="bus", client=name)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -196,6 +197,7 @@ class Bus:
             log.error("nats_tls_failed", error="no TLS", server=where)
             raise ssl.SSLError(f"nats: TLS was asked for, but the server at {where} does not offer it")
         bus = events.bus = cls(nc, name)
+        bus.user = user
         bus.bad_input.publish_events = report_errors
         if ensure:
             await ensure_topology(bus.js)

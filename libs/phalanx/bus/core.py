@@ -24,6 +24,7 @@ class Core(Protocol):
     """A bus as its parts see it (:class:`phalanx.bus.Bus` is one)."""
 
     name: str
+    user: str | None  # the NATS user it logged in as (None: no authorization)
     log: Any
     nc: Client
     js: JetStreamContext

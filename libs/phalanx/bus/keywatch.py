@@ -28,15 +28,22 @@ all a follower of one record needs::
     finally:
         await watch.stop()
 
-The consumer's name is random and the request says ``"action": "create"``, so no
-one can update (redirect) another's watch; it is removed by the server
-``inactive_s`` after its subscription is gone (the watcher needs no delete right).
+The request says ``"action": "create"``, so no one can update (redirect) another's
+watch. Under authorization a follower may name its consumer only with one of its
+user's few :func:`~phalanx.contract.permissions.watch_names` (so no user can fill
+the bucket's consumer limit): the watch takes the first free one, :meth:`stop`
+deletes it, and one left by a process that died is removed by the server
+``inactive_s`` after its subscription went (or taken over when every name is held).
+Without names (no authorization) the name is random.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import nats.errors
@@ -48,6 +55,7 @@ from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE
 
 JS_API = "$JS.API"
 MISSED_HEARTBEATS = 3
+_EXISTS = (10148, 10105)  # a consumer of that name exists (with another config; still active)
 
 
 class WatchLost(Exception):
@@ -78,12 +86,21 @@ def entry_operation(headers: dict[str, str] | None) -> str | None:
 class KeyWatch:
     """One key of a bucket, watched: its current value first, then every later one."""
 
-    def __init__(self, sub: Subscription, bucket: str, key: str, consumer: str, heartbeat_s: float) -> None:
+    def __init__(
+        self,
+        sub: Subscription,
+        bucket: str,
+        key: str,
+        consumer: str,
+        heartbeat_s: float,
+        nc: NATS | None = None,
+    ) -> None:
         self._sub = sub
         self.bucket = bucket
         self.key = key
         self.consumer = consumer
         self.heartbeat_s = heartbeat_s
+        self._nc = nc  # set when the consumer's name is one of a few: deleted on stop
         self._delivered = 0  # the consumer sequence of the last value handed out
 
     @classmethod
@@ -93,45 +110,40 @@ class KeyWatch:
         bucket: str,
         key: str,
         *,
+        names: Sequence[str] = (),
         heartbeat_s: float = 2.0,
         inactive_s: float = 30.0,
         timeout_s: float = 5.0,
     ) -> KeyWatch:
-        """Create the consumer and its subscription. A refused create (no permission)
-        is a ``nats.errors.TimeoutError``; a bucket that is not there, an ``APIError``."""
+        """Create the consumer (under the first of ``names`` not in use; every one in
+        use: a random one taken over) and its subscription. A refused create (no
+        permission) is a ``nats.errors.TimeoutError``; a bucket that is not there, an
+        ``APIError``."""
         stream, subject = f"KV_{bucket}", f"$KV.{bucket}.{key}"
-        name = f"watch_{secrets.token_hex(8)}"
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)  # before the consumer: its first delivery cannot be missed
-        config = ConsumerConfig(
-            name=name,
-            deliver_subject=inbox,
-            filter_subject=subject,
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-            ack_policy=AckPolicy.NONE,
-            max_deliver=1,
-            idle_heartbeat=heartbeat_s,
-            inactive_threshold=inactive_s,
-            num_replicas=1,
-            mem_storage=True,
-        )
-        request = {"stream_name": stream, "config": config.as_dict(), "action": "create"}
         try:
-            reply = await nc.request(
-                f"{JS_API}.CONSUMER.CREATE.{stream}.{name}.{subject}",
-                json.dumps(request).encode(),
-                timeout=timeout_s,
-            )
-            answer = json.loads(reply.data)
-            if "error" in answer:
-                APIError.from_error(answer["error"])  # raises
+            if not names:
+                name = f"watch_{secrets.token_hex(8)}"
+                await _create(nc, stream, name, subject, inbox, heartbeat_s, inactive_s, timeout_s)
+                return cls(sub, bucket, key, name, heartbeat_s)
+            for name in names:
+                try:
+                    await _create(nc, stream, name, subject, inbox, heartbeat_s, inactive_s, timeout_s)
+                    return cls(sub, bucket, key, name, heartbeat_s, nc)
+                except APIError as exc:
+                    if exc.err_code not in _EXISTS:
+                        raise
+            name = random.choice(names)  # every one held (watches of processes that died)
+            await _delete(nc, stream, name, timeout_s)
+            await _create(nc, stream, name, subject, inbox, heartbeat_s, inactive_s, timeout_s)
+            return cls(sub, bucket, key, name, heartbeat_s, nc)
         except nats.errors.NoRespondersError:
             await sub.unsubscribe()
             raise ServiceUnavailableError from None
         except BaseException:
             await sub.unsubscribe()
             raise
-        return cls(sub, bucket, key, name, heartbeat_s)
 
     def __aiter__(self) -> KeyWatch:
         return self
@@ -168,5 +180,51 @@ class KeyWatch:
             return KvEntry(self.key, msg.data, meta.sequence.stream, entry_operation(msg.headers))
 
     async def stop(self) -> None:
-        """Unsubscribe; the server removes the consumer once it has had no interest for ``inactive_s``."""
+        """Unsubscribe, and delete a consumer named with one of the user's few names
+        (its name is free again at once); the server removes any other once it has had
+        no interest for ``inactive_s``."""
         await self._sub.unsubscribe()
+        if self._nc is not None:
+            with contextlib.suppress(Exception):  # gone already, or NATS away: inactive_s ends it
+                await _delete(self._nc, f"KV_{self.bucket}", self.consumer, 1.0)
+
+
+async def _create(
+    nc: NATS,
+    stream: str,
+    name: str,
+    subject: str,
+    inbox: str,
+    heartbeat_s: float,
+    inactive_s: float,
+    timeout_s: float,
+) -> None:
+    """Create consumer ``name`` of ``stream``, pushing ``subject`` to ``inbox`` (through
+    the API subject that names the filter); an answer with an error raises ``APIError``."""
+    config = ConsumerConfig(
+        name=name,
+        deliver_subject=inbox,
+        filter_subject=subject,
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        ack_policy=AckPolicy.NONE,
+        max_deliver=1,
+        idle_heartbeat=heartbeat_s,
+        inactive_threshold=inactive_s,
+        num_replicas=1,
+        mem_storage=True,
+    )
+    request = {"stream_name": stream, "config": config.as_dict(), "action": "create"}
+    reply = await nc.request(
+        f"{JS_API}.CONSUMER.CREATE.{stream}.{name}.{subject}", json.dumps(request).encode(), timeout=timeout_s
+    )
+    answer = json.loads(reply.data)
+    if "error" in answer:
+        APIError.from_error(answer["error"])  # raises
+
+
+async def _delete(nc: NATS, stream: str, name: str, timeout_s: float) -> None:
+    """Delete consumer ``name`` of ``stream`` (one that is not there: nothing to do)."""
+    reply = await nc.request(f"{JS_API}.CONSUMER.DELETE.{stream}.{name}", b"", timeout=timeout_s)
+    answer = json.loads(reply.data)
+    if "error" in answer and answer["error"].get("code") != 404:
+        APIError.from_error(answer["error"])  # raises

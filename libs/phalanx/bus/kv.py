@@ -34,6 +34,7 @@ from phalanx.bus.core import Core
 from phalanx.bus.keywatch import KeyWatch, KvEntry, WatchLost
 from phalanx.bus.topology import ensure_bucket, kv_latest, leader_bucket
 from phalanx.contract import DecodeError, Message, decode, encode, headers_for
+from phalanx.contract.permissions import watch_names
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -159,9 +160,10 @@ class Bucket:
         """Watch every key of the bucket (:class:`AllKeys`)."""
         return AllKeys(await self._kv.watchall())
 
-    async def watch(self, key: str, **options: float) -> KeyWatch:
-        """Watch one key (its current value first): :class:`~phalanx.bus.keywatch.KeyWatch`."""
-        return await KeyWatch.start(self._bus.nc, self.name, key, **options)
+    async def watch(self, key: str) -> KeyWatch:
+        """Watch one key (its current value first): :class:`~phalanx.bus.keywatch.KeyWatch`
+        (a service's: any name)."""
+        return await KeyWatch.start(self._bus.nc, self.name, key)
 
 
 class Buckets:
@@ -185,7 +187,9 @@ class Buckets:
             kv = await js.key_value(name)
         return Bucket(name, kv, js, self.bus)
 
-    async def watch(self, bucket: str, key: str, **options: float) -> KeyWatch:
+    async def watch(self, bucket: str, key: str, *, heartbeat_s: float = 2.0) -> KeyWatch:
         """Watch one key of ``bucket`` without opening it (a follower of one record may not
-        look at more): :class:`~phalanx.bus.keywatch.KeyWatch`."""
-        return await KeyWatch.start(self.bus.nc, bucket, key, **options)
+        look at more): :class:`~phalanx.bus.keywatch.KeyWatch`, under one of the user's
+        own :func:`~phalanx.contract.permissions.watch_names` when it logged in as one."""
+        names = watch_names(self.bus.user) if self.bus.user else ()
+        return await KeyWatch.start(self.bus.nc, bucket, key, names=names, heartbeat_s=heartbeat_s)

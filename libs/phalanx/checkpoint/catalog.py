@@ -7,6 +7,7 @@ shared tier)::
     <job>.<step:012d>.<tier>.<node>         {"state", "bytes", "at", "addr", "by"} of one copy
     <job>.<step:012d>.takeover              {"node", "origin", "state", "at"}: who finishes its drain
     <job>.<step:012d>.removed               {"job", "step", "created", "at", "by"}: removed by an operator
+    <job>.<step:012d>.replicas              {"wanted", "made", "error", ...}: replicas still missing
     =keeper.<node>                          {"addr", "at"}: how peers reach that node's keeper
 
 ``<node>`` is ``-`` for the shared and object tiers (one copy for every node); ``by`` is
@@ -18,6 +19,9 @@ the origin's keeper or the one that took its drain over). A keeper refreshes its
 The ``removed`` key is a tombstone ``phalanx ckpt rm`` writes (the one key a keeper
 does not write) before it deletes the manifest; every keeper then removes its copies
 (:mod:`phalanx.checkpoint.removal`).
+The ``replicas`` key is its origin keeper's while a checkpoint has fewer peer replicas
+than it wants (:class:`ReplicasShort`, :mod:`phalanx.checkpoint.replicas`); deleted
+once they exist, or once the origin no longer holds the checkpoint to send.
 A deleted copy is a deleted key. Operators and policies read the bucket (or
 watch it); the events on ``phalanx.evt.<job>.checkpoint`` say the same as it
 happens.
@@ -122,6 +126,47 @@ class Removed:
         return t
 
 
+REPLICAS: Final = "replicas"
+
+
+@dataclass(frozen=True)
+class ReplicasShort:
+    """A checkpoint with fewer peer replicas than its origin keeper (``by``) wants: the
+    peers that hold one, the last error, and since when it is short. Rewritten only when
+    what it says changes, not on every retry."""
+
+    wanted: int
+    made: tuple[str, ...] = ()
+    error: str = ""
+    by: str = ""
+    since: float = 0.0
+
+    @property
+    def missing(self) -> int:
+        return max(0, self.wanted - len(self.made))
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {
+                "wanted": self.wanted,
+                "made": list(self.made),
+                "error": self.error[:500],
+                "by": self.by,
+                "since": self.since,
+            }
+        )
+
+    @classmethod
+    def parse(cls, key: str, raw: bytes) -> ReplicasShort | None:
+        try:
+            v = msgpack.unpackb(raw, raw=False)
+            made = tuple(str(n) for n in v["made"])
+            return cls(int(v["wanted"]), made, str(v["error"]), str(v["by"]), float(v["since"]))
+        except (ValueError, KeyError, TypeError, msgpack.ExtraData) as exc:
+            log.warning("record_bad", key=key, error=str(exc))
+            return None
+
+
 @dataclass
 class Entry:
     """One checkpoint: its manifest, every copy the catalog knows of, and the claim of
@@ -133,6 +178,7 @@ class Entry:
     copies: list[Copy] = field(default_factory=list)
     takeover: Claim | None = None
     removed: Removed | None = None  # an operator removed it (phalanx ckpt rm)
+    replicas: ReplicasShort | None = None  # replicas its origin has not made yet
 
     def complete(self) -> list[Copy]:
         return [c for c in self.copies if c.state == COMPLETE]
@@ -184,6 +230,12 @@ class Catalog:
 
     async def forget(self, job: str, step: int, tier: Tier, node: str) -> None:
         await self.kv.delete(f"{job}.{step_key(step)}.{tier.value}.{node}")
+
+    async def replicas_short(self, job: str, step: int, short: ReplicasShort) -> None:
+        await self.kv.put(f"{job}.{step_key(step)}.{REPLICAS}", short.encode())
+
+    async def replicas_made(self, job: str, step: int) -> None:
+        await self.kv.delete(f"{job}.{step_key(step)}.{REPLICAS}")
 
     async def forget_manifest(self, job: str, step: int) -> None:
         await self.kv.delete(f"{job}.{step_key(step)}.manifest")
@@ -311,6 +363,8 @@ class Catalog:
                 e.takeover = _parse_claim(key, value, 0)
             elif parts[2] == REMOVED and len(parts) == 3:
                 e.removed = Removed.parse(value)
+            elif parts[2] == REPLICAS and len(parts) == 3:
+                e.replicas = ReplicasShort.parse(key, value)
             elif len(parts) == 4 and parts[2] in Tier.__members__.values():
                 try:
                     rec = msgpack.unpackb(value, raw=False)

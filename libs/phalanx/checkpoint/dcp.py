@@ -11,20 +11,24 @@ committed at that step, their files cover every file ``.metadata`` refers to, an
 it pins each part by the SHA-256 of its manifest. A checkpoint is thus one catalog
 entry (``job@step``, the set) whose files are spread over the keepers of the nodes
 that wrote them; a rank that died before its part was registered leaves no set, so
-an incomplete save is never listed.
+an incomplete save is never listed. Where another uid took the name ``dcp/<job>=r<rank>``
+or ``dcp/<job>`` first (a directory of its own, a symlink), the rank refuses it, says
+so, and writes in a fallback directory of its own beside it (:mod:`~.jobdirs`).
 
 :class:`TieredReader` asks its node's keeper for the set and then for each part (the
 keeper brings a part from a peer or a tier as it does any checkpoint), checks each
 part's manifest against the digest the set pinned, and checks every file, in this
 process, against the SHA-256 digests of its manifest (the one committed in the
 catalog: the keeper serves no other). DCP then reads through a file system that
-opens those verified files only (a name no part has is refused), so any node can
+reads those verified files only (a name no part has is refused), so any node can
 load the checkpoint, at any shard count (DCP reshards). DCP unpickles ``.metadata``
-(and ``torch.load``-s byte items from the data files), so a planted or altered file
-would run code in the rank: none is handed to DCP before its digest matched, and
-``.metadata`` is unpickled from the very bytes that were checked, never read again
-from the file. The rank trusts its node's keeper (reached through a Unix socket in
-the keeper's own directory) for which manifest is committed; it checks the bytes itself.
+(and ``torch.load``-s byte items from the data files with ``weights_only=False``), so
+a planted or altered file would run code in the rank: each file is opened once
+(without following a symlink) and DCP reads it from the very descriptor its digest
+was checked through -- a file swapped under its name after the check is never read --
+and ``.metadata`` is unpickled from the very bytes that were checked. The rank trusts
+its node's keeper (reached through a Unix socket in the keeper's own directory) for
+which manifest is committed; it checks the bytes itself.
 
 ::
 
@@ -49,6 +53,7 @@ import io
 import mmap
 import os
 import pickle
+import weakref
 from collections.abc import Generator, Mapping
 from pathlib import Path
 from typing import Any
@@ -61,8 +66,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+import phalanx.checkpoint.paths as paths
 import phalanx.checkpoint.wire as wire
 from phalanx.checkpoint.client import Checkpointer, Loaded, NoCheckpoint
+from phalanx.checkpoint.jobdirs import JOB_DIR_MODE, own_job_dir
 from phalanx.checkpoint.manifest import METADATA, Manifest, ManifestError, digest, part_job
 from phalanx.checkpoint.tiers import step_key
 from phalanx.telemetry import get_logger
@@ -89,14 +96,19 @@ class TieredWriter(FileSystemWriter):
         super().__init__(self.ckpt.root / self.ckpt.node / "dcp" / job / step_key(step), **kwargs)
 
     def _step_dir(self, name: str) -> Path:
-        """``<node>/dcp/<name>/<step>``, made: ``name`` a job (the set) or a part."""
-        job_dir = self.ckpt.root / self.ckpt.node / "dcp" / name
-        if not job_dir.is_dir():
-            job_dir.mkdir(mode=0o770, parents=True, exist_ok=True)
-            os.chmod(job_dir, 0o770)  # the job's and the keeper's, nobody else's (past the umask)
-        directory = job_dir / step_key(self.step)
-        directory.mkdir(exist_ok=True)
-        return directory
+        """``<node>/dcp/<name>/<step>``, made: ``name`` a job (the set) or a part. The
+        job's directory is this uid's own, never followed through a symlink: where
+        another uid squatted its name, a fallback of its own (:mod:`~.jobdirs`); the
+        step's directory in it is a real directory of this uid too. DCP then writes by
+        path below it: no other uid can rename or replace an entry on that path (the
+        node's directory is the keeper's, ``dcp/`` sticky, the rest this uid's)."""
+        own = own_job_dir(self.ckpt.root / self.ckpt.node, "dcp", name)
+        try:
+            with paths.dir_at(own.fd, step_key(self.step), create=JOB_DIR_MODE) as fd:
+                paths.check_owned(fd, os.geteuid(), str(own.path / step_key(self.step)))
+        finally:
+            os.close(own.fd)
+        return own.path / step_key(self.step)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
@@ -137,34 +149,45 @@ class TieredWriter(FileSystemWriter):
 
 
 class _VerifiedFiles(FileSystem):
-    """The file system DCP reads a :class:`TieredReader`'s checkpoint through: a name DCP
-    asks for is its verified file, wherever its part is; any other name, or any write,
-    is :class:`ManifestError`."""
+    """The file system DCP reads a :class:`TieredReader`'s checkpoint through: each file
+    is read from the descriptor it was verified through (name -> descriptor, this
+    object's to close), so no path is opened again after its digest matched; any other
+    name, or any write, is :class:`ManifestError`."""
 
-    def __init__(self, files: Mapping[str, Path]) -> None:
+    def __init__(self, files: Mapping[str, int]) -> None:
         super().__init__()
         self.files = dict(files)
-        self._opened = set(self.files.values())
 
-    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> Path:
-        try:
-            return self.files[suffix]
-        except KeyError:
-            raise ManifestError(f"{suffix!r} is no verified file of this checkpoint: not read") from None
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        if suffix not in self.files:
+            raise ManifestError(f"{suffix!r} is no verified file of this checkpoint: not read")
+        return suffix  # what create_stream is handed: the name of a verified file
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
-        if mode != "rb" or Path(path) not in self._opened:
+        fd = self.files.get(str(path)) if isinstance(path, str) else None
+        if mode != "rb" or fd is None:
             raise ManifestError(f"{path} ({mode!r}) is no verified file of this checkpoint: not opened")
-        with open(path, "rb") as stream:
+        with open(fd, "rb", closefd=False) as stream:  # the descriptor stays this object's
+            stream.seek(0)
             yield stream
+
+    def close(self) -> None:
+        files, self.files = self.files, {}
+        for fd in files.values():
+            os.close(fd)
 
 
 class TieredReader(FileSystemReader):
     """DCP's reader of checkpoint ``step`` (None: the newest whose every part can be
     had) of ``job``, every file verified first (:class:`ManifestError` if one does not
     match, or a part is not the one the set pinned: nothing was read);
-    :class:`NoCheckpoint` when the checkpoint asked for (or any) cannot be had."""
+    :class:`NoCheckpoint` when the checkpoint asked for (or any) cannot be had.
+
+    Each file is opened once, without following a symlink, checked through that
+    descriptor and read by DCP from it: a file swapped for another under its name after
+    the check is never read. The reader holds a descriptor per file of the checkpoint
+    until :meth:`close` (or until it is collected)."""
 
     def __init__(
         self, job: str, step: int | None = None, *, checkpointer: Checkpointer | None = None
@@ -180,12 +203,23 @@ class TieredReader(FileSystemReader):
                 files[name] = path
         if METADATA not in files:
             raise ManifestError(f"checkpoint {m.job}@{m.step} has no {METADATA}: not a DCP checkpoint")
-        self._metadata = verified(m, files)
-        for part in self.parts.values():
-            verified(part.manifest, files)
-        directory = files.pop(METADATA).parent
-        super().__init__(directory)
-        self.fs = _VerifiedFiles(files)
+        fs = _VerifiedFiles(_open_all(files))
+        try:
+            self._metadata = verified(m, fs.files)
+            for part in self.parts.values():
+                verified(part.manifest, fs.files)
+            os.close(fs.files.pop(METADATA))  # unpickled from the bytes checked, not read again
+        except BaseException:
+            fs.close()
+            raise
+        super().__init__(files[METADATA].parent)
+        self.fs = fs
+        weakref.finalize(self, fs.close)
+
+    def close(self) -> None:
+        """Close the verified files (DCP reads nothing more through this reader)."""
+        assert isinstance(self.fs, _VerifiedFiles)
+        self.fs.close()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The metadata, unpickled from the bytes whose digest matched (one file, written
@@ -261,26 +295,41 @@ def _paths(loaded: Loaded) -> dict[str, Path]:
     return out
 
 
-def verified(m: Manifest, files: Mapping[str, Path]) -> bytes:
-    """Check every file of ``m`` (at ``files[name]``) against its digests (the files DCP
-    will open, as it will open them); the bytes of ``.metadata`` (empty when ``m`` has
-    none: a part). :class:`ManifestError` at the first that does not match."""
+def _open_all(files: Mapping[str, Path]) -> dict[str, int]:
+    """Name -> descriptor of each file (the file itself not followed if it is a symlink,
+    and a regular file only); all or none."""
+    out: dict[str, int] = {}
+    try:
+        for name, path in files.items():
+            with paths.dir_at(path.parent) as dir_fd:
+                out[name] = paths.open_file(dir_fd, path.name, os.O_RDONLY)
+    except BaseException:
+        for fd in out.values():
+            os.close(fd)
+        raise
+    return out
+
+
+def verified(m: Manifest, files: Mapping[str, int]) -> bytes:
+    """Check every file of ``m`` (the open file ``files[name]``, read from the
+    descriptor DCP will read) against its digests; the bytes of ``.metadata`` (empty
+    when ``m`` has none: a part). :class:`ManifestError` at the first that does not match."""
     metadata = b""
     for f in m.files:
-        path = files[f.name]
-        with open(path, "rb") as fh:
-            if os.fstat(fh.fileno()).st_size != f.size:
-                raise ManifestError(f"{path}: not the {f.size} bytes the manifest says")
-            if f.name == METADATA or not f.size:
-                data = fh.read(f.size)
-                m.verify_file(f.name, data)
-                if f.name == METADATA:
-                    metadata = data
+        fd = files[f.name]
+        if os.fstat(fd).st_size != f.size:
+            raise ManifestError(f"{m.job}@{m.step}/{f.name}: not the {f.size} bytes the manifest says")
+        if not f.size:
+            m.verify_file(f.name, b"")
+            continue
+        with mmap.mmap(fd, f.size, prot=mmap.PROT_READ) as mm:
+            if f.name == METADATA:
+                metadata = bytes(mm)  # unpickled later from these very bytes
+                m.verify_file(f.name, metadata)
                 continue
-            with mmap.mmap(fh.fileno(), f.size, prot=mmap.PROT_READ) as mm:
-                view = memoryview(mm)
-                try:
-                    m.verify_file(f.name, view)
-                finally:
-                    view.release()
+            view = memoryview(mm)
+            try:
+                m.verify_file(f.name, view)
+            finally:
+                view.release()
     return metadata

@@ -1,4 +1,5 @@
-"""Propagating a checkpoint from this node: replicated to peers while it drains to the
+"""Propagating a checkpoint from this node: replicated to peers (short of them: retried,
+:mod:`~phalanx.checkpoint.replicas`) while it drains to the
 durable tiers its step goes to (:meth:`KeeperConfig.drain_tiers`), in the lanes of
 :class:`~phalanx.checkpoint.drainplan.DrainPlan` -- by default the object store
 streamed from the memory copy beside the disk and then the shared path -- each lane one
@@ -21,7 +22,7 @@ from phalanx.checkpoint.keeperconfig import KeeperConfig
 from phalanx.checkpoint.keepertasks import KeeperTasks
 from phalanx.checkpoint.manifest import Manifest
 from phalanx.checkpoint.record import Recorder
-from phalanx.checkpoint.replication import Replicator
+from phalanx.checkpoint.replicas import Replicas
 from phalanx.checkpoint.tiers import Tier
 
 tracer = trace.get_tracer("phalanx.checkpoint")
@@ -32,12 +33,12 @@ class Drains:
         self,
         cfg: KeeperConfig,
         holdings: Holdings,
-        replicator: Replicator,
+        replicas: Replicas,
         rec: Recorder,
         tasks: KeeperTasks,
         log: Any,
     ) -> None:
-        self.cfg, self.holdings, self.replicator = cfg, holdings, replicator
+        self.cfg, self.holdings, self.replicas = cfg, holdings, replicas
         self.rec, self.tasks, self.log = rec, tasks, log
         plan = cfg.drain
         self._lanes = [asyncio.Lock() for _ in plan.lanes]  # one checkpoint per lane at a time
@@ -94,7 +95,7 @@ class Drains:
             span.set_attribute("phalanx.checkpoint.step", m.step)
             span.set_attribute("phalanx.checkpoint.bytes", m.total_bytes)
             replicas = (
-                self.tasks.spawn(self.replicator.replicate(m), f"keeper-replicate-{m.job}-{m.step}")
+                self.tasks.spawn(self.replicas.make(m), f"keeper-replicate-{m.job}-{m.step}")
                 if replicate
                 else None
             )

@@ -18,6 +18,7 @@ import phalanx.checkpoint.paths as paths
 from phalanx.checkpoint.catalog import COMPLETE
 from phalanx.checkpoint.drains import Drains
 from phalanx.checkpoint.holdings import Holdings
+from phalanx.checkpoint.jobdirs import holder_of, name_of_entry
 from phalanx.checkpoint.keeperconfig import KeeperConfig
 from phalanx.checkpoint.manifest import (
     MANIFEST_NAME,
@@ -50,6 +51,7 @@ class Intake:
         self._seen: set[tuple[str, int]] = set()  # (slot path hash, seq) taken
         self._scan_lock = asyncio.Lock()
         self._refused: dict[str, str] = {}  # path -> why, of what the scans refused (reported once)
+        self._squats: set[str] = set()  # the fallback DCP directories reported (_report_squat)
 
     def prepare_node_dir(self) -> None:
         """``<node>/`` and its directories, this keeper's own: ``slots`` and ``dcp``
@@ -175,10 +177,12 @@ class Intake:
     ) -> Manifest:
         """Adopt the files a writer left in ``directory`` (a DCP checkpoint) as a memory copy.
 
-        ``directory`` must be ``<node>/dcp/<job>/<step:012d>``, every component a real
-        directory (no symlink), ``dcp/<job>`` and the step's directory owned by the job's
-        uid and not writable by everyone, every file in it a regular file of that uid
-        with one link: a job registers its own files only (PermissionError otherwise).
+        ``directory`` must be ``<node>/dcp/<job>/<step:012d>`` (or, where another uid
+        squatted ``dcp/<job>``, the job's fallback ``dcp/<job>.<16 hex>/<step:012d>``:
+        :mod:`~phalanx.checkpoint.jobdirs`; the squat is reported), every component a
+        real directory (no symlink), the job's directory and the step's owned by the
+        job's uid and not writable by everyone, every file in it a regular file of that
+        uid with one link: a job registers its own files only (PermissionError otherwise).
 
         With ``parts`` it is a *set* (:mod:`phalanx.checkpoint.manifest`): the directory
         holds ``.metadata`` alone, every part named is ``<job>=r<rank>`` with a manifest
@@ -187,16 +191,21 @@ class Intake:
         and the set's manifest pins each part by its manifest's digest.
         :class:`ManifestError` otherwise, and nothing is committed: a set whose rank died
         before its part was registered is never listed."""
-        if directory != self.cfg.node_dir / "dcp" / job / step_key(step):
+        entry = directory.parent.name  # the job's name, or its fallback's
+        if (
+            directory.parent.parent != self.cfg.node_dir / "dcp"
+            or directory.name != step_key(step)
+            or name_of_entry(entry) != job
+        ):
             raise PermissionError(
-                f"{directory} is not {self.cfg.node_dir / 'dcp' / job / step_key(step)}: a job registers"
-                " its own DCP directory of that step only"
+                f"{directory} is not {self.cfg.node_dir / 'dcp' / job / step_key(step)} (nor a fallback"
+                f" {job}.<16 hex> of it): a job registers its own DCP directory of that step only"
             )
         uid = self.cfg.job_uid(job)
         pins = None if parts is None else await self._pin_parts(job, step, parts, files or [])
 
         def build() -> Manifest:
-            with paths.dir_at(self.cfg.node_dir, "dcp", job) as job_fd:
+            with paths.dir_at(self.cfg.node_dir, "dcp", entry) as job_fd:
                 paths.check_owned(job_fd, uid, str(directory.parent))
                 fd = paths.open_dir(job_fd, step_key(step))
             try:
@@ -237,11 +246,27 @@ class Intake:
                 os.close(fd)
 
         m = await asyncio.to_thread(build)
+        if entry != job:
+            await self._report_squat(job, entry)
         self.shm.adopt(m, directory)
         await self.rec.put_manifest(m)
         await self.rec.note(m, Tier.MEMORY, COMPLETE)
         self.drains.propagate(m)
         return m
+
+    async def _report_squat(self, job: str, fallback: str) -> None:
+        """Log and publish (an :class:`ErrorEvent`) that ``dcp/<job>`` is not the job's own
+        (another uid's directory, a symlink): its files are kept in ``fallback``. Once per
+        fallback directory, while this keeper runs."""
+        if fallback in self._squats:
+            return
+        self._squats.add(fallback)
+        where = self.cfg.node_dir / "dcp" / job
+        with paths.dir_at(self.cfg.node_dir, "dcp") as dcp_fd:
+            holder = holder_of(dcp_fd, job)
+        reason = f"{where} ({holder}) is not the directory of {job}: its files are kept in {fallback}"
+        self.log.error("job_dir_squatted", directory=str(where), reason=reason)
+        await self.rec.bus.report_bad_input(f"dcp {where}", DecodeError(reason[:4000], "dcp"))
 
     async def _pin_parts(self, job: str, step: int, parts: list[str], files: list[str]) -> dict[str, str]:
         """Part job -> digest of its committed manifest at ``step``, for the set of ``job``

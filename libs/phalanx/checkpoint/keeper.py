@@ -7,7 +7,8 @@ What it does with a snapshot a rank left in a shared-memory slot
    checkpoint is now complete in ``memory`` on this node;
 2. **replicate** it to ``replicas`` keepers on other nodes over TCP (their
    addresses are in the catalog), each of which verifies the checksums and keeps
-   it in its own shared memory: losing this node loses no checkpoint;
+   it in its own shared memory: losing this node loses no checkpoint (a replica that
+   could not be made is reported and retried until it exists);
 3. **drain** it to the durable tiers its step goes to (``PHALANX_CKPT_TIERS``), in
    lanes side by side -- by default the object store, streamed from the memory copy,
    beside the disk and then the shared path (:mod:`~phalanx.checkpoint.drainplan`) --
@@ -31,7 +32,8 @@ and resumes their unfinished drains.
 
 The parts, each in its module: :mod:`~phalanx.checkpoint.intake` (slots, DCP
 directories, re-adoption), :mod:`~phalanx.checkpoint.drains` (replicate and drain,
-retries), :mod:`~phalanx.checkpoint.replication` and
+retries), :mod:`~phalanx.checkpoint.replicas` (replicas retried until they exist),
+:mod:`~phalanx.checkpoint.replication` and
 :mod:`~phalanx.checkpoint.peerserver` (the peer protocol, both ends),
 :mod:`~phalanx.checkpoint.restore` (``load``), :mod:`~phalanx.checkpoint.ranksocket`
 (the ranks' socket), :mod:`~phalanx.checkpoint.holdings` (tiers and retention),
@@ -59,6 +61,7 @@ from phalanx.checkpoint.peerserver import PeerServer
 from phalanx.checkpoint.ranksocket import RankSocket
 from phalanx.checkpoint.record import Recorder
 from phalanx.checkpoint.removal import Removal
+from phalanx.checkpoint.replicas import Replicas
 from phalanx.checkpoint.replication import Replicator
 from phalanx.checkpoint.restore import Restorer
 from phalanx.checkpoint.takeover import Takeover
@@ -81,7 +84,8 @@ class Keeper:
         self.holdings = Holdings(config, self.shm, self.rec, log)
         peerauth.check_key(config.key, "the keeper key (KeeperConfig.key, PHALANX_KEEPER_KEY)")
         self.replicator = Replicator(config, self.holdings, self.rec, log)
-        self.drains = Drains(config, self.holdings, self.replicator, self.rec, self.tasks, log)
+        self.replicas = Replicas(config, self.holdings, self.replicator, self.rec, self.tasks, log)
+        self.drains = Drains(config, self.holdings, self.replicas, self.rec, self.tasks, log)
         self.restorer = Restorer(self.holdings, self.replicator, self.drains, self.rec, log)
         self.intake = Intake(config, self.holdings, self.drains, self.rec, log)
         self.peers = PeerServer(config, self.holdings, self.rec, self.tasks, log)
@@ -116,6 +120,15 @@ class Keeper:
     @on_copy.setter
     def on_copy(self, callback: Any) -> None:
         self.rec.on_copy = callback
+
+    @property
+    def on_replicas(self) -> Any:
+        """Called with (job, checkpoint, missing) when a checkpoint's missing replicas change (metrics)."""
+        return self.rec.on_replicas
+
+    @on_replicas.setter
+    def on_replicas(self, callback: Any) -> None:
+        self.rec.on_replicas = callback
 
     # -- life ------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -38,8 +38,19 @@ class KeeperConfig:
     min_rate: float = float(8 << 20)  # bytes/s: a slower transfer, on the whole, is dropped
     max_bytes: int = 64 << 30  # the largest checkpoint received or restored
     shm_reserve_bytes: int = 256 << 20  # shared memory a receive or restore leaves free
-    max_connections: int = 64  # peer connections served at once
+    max_connections: int = 64  # authenticated peer connections served at once
     max_connections_per_peer: int = 8  # of those, from one address
+    max_handshakes: int = 64  # peer connections not yet authenticated, at once
+    max_handshakes_per_peer: int = 4  # of those, from one address
+    auth_failure_burst: int = 8
+    """Failed handshakes (a wrong key, a timeout) an address may make in a row; then it
+    is refused at once, given one more try every :attr:`auth_failure_refill_s`."""
+    auth_failure_refill_s: float = 10.0
+    rank_max_connections: int = 64  # connections to the ranks' socket at once
+    rank_max_connections_per_uid: int = 32  # of those, from one uid
+    max_request_bytes: int = 1 << 20
+    """The largest request a rank may send over the ranks' socket: a ``register`` of a
+    DCP set names every part and file (~350 KiB for 4096 ranks of a 64-character job)."""
     max_fills: int = 2  # copies received or restored into shared memory at once
     job_uids: dict[str, int] = field(default_factory=dict)
     """The uid each job's ranks run as (its group: the same number); a job not listed
@@ -84,6 +95,12 @@ class KeeperConfig:
         """The uid the ranks of ``job`` run as (:attr:`job_uids`); a part of a DCP
         checkpoint (``<job>=r<rank>``) is its job's."""
         return self.job_uids.get(job_of(job), os.geteuid())
+
+    @property
+    def rank_uids(self) -> frozenset[int]:
+        """The uids that may use the ranks' socket: root, the keeper's own (a job not in
+        :attr:`job_uids` runs as it) and each job's; any other could ask for nothing."""
+        return frozenset({0, os.geteuid(), *self.job_uids.values()})
 
     def job_group(self, job: str) -> int | None:
         """The group that may read ``job``'s copies in shared memory: its uid's (a part's:

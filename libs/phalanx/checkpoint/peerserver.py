@@ -1,6 +1,17 @@
 """The keeper's TCP server for peer keepers: a replica sent to this node, a copy fetched
-from it. Bounded before anything is allocated: connections per keeper and per address,
-the keeper key proved first (:mod:`phalanx.checkpoint.peerauth`), every read timed."""
+from it. Bounded before anything is allocated, and before the peer is trusted:
+
+- a connection first holds a *handshake* slot (:attr:`KeeperConfig.max_handshakes`,
+  ``max_handshakes_per_peer`` from one address) while the peer proves the keeper key
+  (:mod:`phalanx.checkpoint.peerauth`) within ``auth_timeout_s``;
+- an address whose handshakes keep failing (a wrong key, silence until the timeout) is
+  refused at once, holding nothing, once it has used its ``auth_failure_burst``; it gets
+  one more try every ``auth_failure_refill_s`` (:class:`~phalanx.limits.FailureBudget`);
+- only a peer that proved the key takes one of the slots that replicate and fetch
+  (:attr:`KeeperConfig.max_connections`, ``max_connections_per_peer``).
+
+So connections that never authenticate -- from many addresses, reconnecting as fast as
+they are dropped -- cannot keep a keeper that knows the key out. Every read is timed."""
 
 from __future__ import annotations
 
@@ -19,6 +30,7 @@ from phalanx.checkpoint.manifest import FileEntry, Manifest
 from phalanx.checkpoint.record import Recorder
 from phalanx.checkpoint.replication import deadline_for
 from phalanx.checkpoint.tiers import Tier
+from phalanx.limits import ConnectionLimits, FailureBudget, ThrottledLog
 
 
 class PeerServer:
@@ -27,7 +39,10 @@ class PeerServer:
     ) -> None:
         self.cfg, self.holdings, self.rec, self.tasks, self.log = cfg, holdings, rec, tasks, log
         self.shm = holdings.shm
-        self._conns: dict[str, int] = {}  # peer address -> connections open
+        self.handshakes = ConnectionLimits(cfg.max_handshakes, cfg.max_handshakes_per_peer)
+        self.sessions = ConnectionLimits(cfg.max_connections, cfg.max_connections_per_peer)
+        self.failures = FailureBudget(cfg.auth_failure_burst, cfg.auth_failure_refill_s)
+        self._refusals = ThrottledLog(log)
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> str:
@@ -41,52 +56,85 @@ class PeerServer:
             self._server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One peer connection: at most ``max_connections`` (``max_connections_per_peer`` from
-        one address); the peer proves the keeper key within ``auth_timeout_s`` -- no thread,
-        no allocation before that -- then asks for one thing."""
+        """One peer connection: the key proved in a handshake slot, then one request in
+        a session slot (module doc); no thread, no allocation before that."""
         task = asyncio.current_task()
         if task is not None:
             task.set_name("keeper-peer")
-        counters = self.rec.counters
         name = writer.get_extra_info("peername")
         peer = str(name[0]) if isinstance(name, tuple) and name else "?"
-        if (
-            sum(self._conns.values()) >= self.cfg.max_connections
-            or self._conns.get(peer, 0) >= self.cfg.max_connections_per_peer
-        ):
-            counters["peers_refused"] = counters.get("peers_refused", 0) + 1
-            self.log.warning("peer_refused", peer=peer, error="too many connections")
-            writer.close()
-            return
-        self._conns[peer] = self._conns.get(peer, 0) + 1
         try:
-            try:
-                session = await peerauth.accept(reader, writer, self.cfg.key, self.cfg.auth_timeout_s)
-            except (wire.WireError, OSError) as exc:  # AuthError, a broken hello, a timeout
-                counters["unauthenticated"] = counters.get("unauthenticated", 0) + 1
-                self.log.warning("peer_unauthenticated", peer=peer, error=str(exc) or type(exc).__name__)
+            session = await self._authenticate(peer, reader, writer)
+            if session is None:
                 return
-            session.peer = peer
-            try:
-                req = await session.recv(reader, self.cfg.io_timeout_s)
-                op = req.get("op")
-                if op == "replicate":
-                    await self._receive(session, req, reader, writer)
-                elif op == "fetch":
-                    await self._serve_fetch(session, req, writer)
-                else:
-                    raise wire.WireError(f"unknown op {str(op)[:40]!r}")
-            except (wire.WireError, ValueError, OSError) as exc:
-                self.log.warning("peer_refused", peer=peer, error=str(exc) or type(exc).__name__)
+            refused = self.sessions.open(peer)
+            if refused:
+                self._refuse(peer, refused)
                 with contextlib.suppress(Exception):
-                    await session.send(
-                        writer, {"ok": False, "error": str(exc)[:500]}, self.cfg.auth_timeout_s
-                    )
+                    await session.send(writer, {"ok": False, "error": refused}, self.cfg.auth_timeout_s)
+                return
+            try:
+                await self._request(session, peer, reader, writer)
+            finally:
+                self.sessions.close(peer)
         finally:
-            self._conns[peer] -= 1
-            if not self._conns[peer]:
-                del self._conns[peer]
             writer.close()
+
+    async def _authenticate(
+        self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> peerauth.Session | None:
+        """The peer's proof of the key, in a handshake slot; None (counted, logged) when
+        it is refused a slot or fails."""
+        if not self.failures.allows(peer):
+            wait = self.failures.wait_s(peer)
+            self._refuse(peer, f"too many failed handshakes: next try in {wait:.1f} s", "auth_throttled")
+            return None
+        refused = self.handshakes.open(peer)
+        if refused:
+            self._refuse(peer, f"{refused} in handshake")
+            return None
+        try:
+            session = await peerauth.accept(reader, writer, self.cfg.key, self.cfg.auth_timeout_s)
+        except (wire.WireError, OSError) as exc:  # AuthError, a broken hello, a timeout
+            self.failures.failed(peer)
+            self._count("unauthenticated")
+            self._refusals.warning(
+                "peer_unauthenticated", peer, peer=peer, error=str(exc) or type(exc).__name__
+            )
+            return None
+        finally:
+            self.handshakes.close(peer)
+        session.peer = peer
+        return session
+
+    def _refuse(self, peer: str, why: str, counter: str = "peers_refused") -> None:
+        self._count(counter)
+        self._refusals.warning("peer_refused", peer, peer=peer, error=why)
+
+    def _count(self, counter: str) -> None:
+        self.rec.counters[counter] = self.rec.counters.get(counter, 0) + 1
+
+    async def _request(
+        self,
+        session: peerauth.Session,
+        peer: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        """An authenticated peer's one request: ``replicate`` or ``fetch``."""
+        try:
+            req = await session.recv(reader, self.cfg.io_timeout_s)
+            op = req.get("op")
+            if op == "replicate":
+                await self._receive(session, req, reader, writer)
+            elif op == "fetch":
+                await self._serve_fetch(session, req, writer)
+            else:
+                raise wire.WireError(f"unknown op {str(op)[:40]!r}")
+        except (wire.WireError, ValueError, OSError) as exc:
+            self.log.warning("peer_refused", peer=peer, error=str(exc) or type(exc).__name__)
+            with contextlib.suppress(Exception):
+                await session.send(writer, {"ok": False, "error": str(exc)[:500]}, self.cfg.auth_timeout_s)
 
     async def _receive(
         self,

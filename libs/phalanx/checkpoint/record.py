@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from phalanx.bus import Bus
-from phalanx.checkpoint.catalog import SHARED_NODE, Catalog
+from phalanx.checkpoint.catalog import REPLICAS, SHARED_NODE, Catalog, ReplicasShort
 from phalanx.checkpoint.keepertasks import KeeperTasks
 from phalanx.checkpoint.manifest import Manifest, ManifestError, job_of
 from phalanx.checkpoint.tiers import RetryPolicy, Tier, step_key
@@ -36,9 +36,16 @@ class Recorder:
             "refused": 0,
             "skipped": 0,
             "retried": 0,
+            "replicas_short": 0,
         }
         self.on_copy: Callable[[str, str, str, int, int], None] | None = None
         """Called with (job, tier, state, step, bytes) for every copy that changes state (metrics)."""
+        self.on_replicas: Callable[[str, str, int], None] | None = None
+        """Called with (job, checkpoint, missing) -- ``checkpoint`` is ``<job or part>@<step>``
+        -- whenever the replicas a checkpoint of this keeper misses change (metrics); 0 once
+        they exist, or are no longer sought."""
+        self.replicas_missing: dict[tuple[str, int], int] = {}
+        """(job, step) -> replicas missing, for each checkpoint of this keeper short of them."""
         self.taken_over: dict[tuple[str, int], str] = {}
         """(job, step) -> the lost origin whose drain this keeper finishes
         (:mod:`phalanx.checkpoint.takeover`): its shared and object copies say so."""
@@ -141,6 +148,72 @@ class Recorder:
             await self.bus.publish(CHECKPOINT, event, job=job, retry_for_s=5.0)
         except Exception as exc:
             self.log.warning("event_unpublished", job=job, step=step, error=repr(exc))
+
+    async def replicas_short(self, m: Manifest, short: ReplicasShort) -> None:
+        """``m`` has fewer peer replicas than wanted: its catalog record (``phalanx ckpt
+        show`` says so), a ``failed`` memory event naming what is missing, a log line and
+        the metric. Said again whenever that changes (another peer reached, another error)."""
+        first = (m.job, m.step) not in self.replicas_missing
+        if first:
+            self.counters["replicas_short"] += 1
+        self._replicas_metric(m, short.missing)
+        catalog = self.catalog
+        await self._catalog_write(
+            f"{m.job}.{step_key(m.step)}.{REPLICAS}", lambda: catalog.replicas_short(m.job, m.step, short)
+        )
+        detail = (
+            f"replicas missing: {short.missing} of {short.wanted} (made on: {', '.join(short.made) or 'none'};"
+            f" {short.error}); retried with backoff"
+        )
+        self.log.warning(
+            "replicas_short",
+            job=m.job,
+            step=m.step,
+            wanted=short.wanted,
+            made=list(short.made),
+            error=short.error,
+        )
+        await self._publish(m, "failed", detail)
+
+    async def replicas_settled(self, m: Manifest, why: str) -> None:
+        """``m``'s replicas are no longer missing (``why``: they exist, or the checkpoint is
+        gone from this node): its catalog record deleted, the metric back to 0."""
+        if self.replicas_missing.get((m.job, m.step)) is None:
+            return
+        self._replicas_metric(m, 0)
+        catalog = self.catalog
+        await self._catalog_write(
+            f"{m.job}.{step_key(m.step)}.{REPLICAS}", lambda: catalog.replicas_made(m.job, m.step)
+        )
+        self.log.info("replicas_settled", job=m.job, step=m.step, detail=why)
+
+    def _replicas_metric(self, m: Manifest, missing: int) -> None:
+        if missing:
+            self.replicas_missing[(m.job, m.step)] = missing
+        else:
+            self.replicas_missing.pop((m.job, m.step), None)
+        if self.on_replicas is not None:
+            self.on_replicas(job_of(m.job), f"{m.job}@{m.step}", missing)
+
+    async def _publish(self, m: Manifest, state: CopyState, detail: str) -> None:
+        """A memory-tier event about ``m`` (under its job: a part is named in ``detail``)
+        that is no copy's state change: no catalog record of a copy."""
+        job = job_of(m.job)
+        if job != m.job:
+            detail = f"part {m.job}: {detail}"
+        event = CheckpointEvent(
+            job=job,
+            step=m.step,
+            tier=Tier.MEMORY.value,
+            state=state,
+            node=self.node,
+            bytes=m.total_bytes,
+            detail=detail[:500],
+        )
+        try:
+            await self.bus.publish(CHECKPOINT, event, job=job, retry_for_s=5.0)
+        except Exception as exc:
+            self.log.warning("event_unpublished", job=m.job, step=m.step, error=repr(exc))
 
     async def _catalog_write(self, key: str, write: Callable[[], Awaitable[None]]) -> None:
         """One catalog write. If the catalog is away it is kept (the latest per key) and

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 import phalanx.checkpoint.peerauth as peerauth
@@ -31,11 +31,11 @@ class Replicator:
         self.cfg, self.holdings, self.rec, self.log = cfg, holdings, rec, log
         self.node = cfg.node
 
-    async def replicate(self, m: Manifest) -> None:
+    async def replicate(self, m: Manifest, have: Collection[str] = ()) -> tuple[list[str], str]:
         """``m`` to ``replicas`` keepers, the next ones after this node in the ring of
-        keepers sorted by name (one that fails: the next)."""
-        if self.cfg.replicas < 1:
-            return
+        keepers sorted by name (one that fails: the next); ``have``: peers that hold a
+        replica already (not sent again, counted). Returns the peers it reached now and
+        the last error ("" if none)."""
         keepers = await self.rec.catalog.keepers()
         ring = sorted(keepers)
         others = (
@@ -43,23 +43,28 @@ class Replicator:
             if self.node in ring
             else ring
         )
-        done = 0
+        made: list[str] = []
+        error = ""
         for peer in others:
-            if done >= self.cfg.replicas or peer == self.node:
+            if len(made) + len(have) >= self.cfg.replicas:
                 break
+            if peer == self.node or peer in have:
+                continue
             t0 = time.perf_counter()
             try:
                 await self._send(keepers[peer], m)
             except (OSError, wire.WireError, TimeoutError, ManifestError) as exc:
                 self.log.warning("replicate_failed", job=m.job, step=m.step, peer=peer, error=repr(exc))
+                error = f"{peer}: {exc!r}"
                 continue
-            done += 1
+            made.append(peer)
             self.rec.counters["replicated"] += 1
             self.log.info(
                 "replicated", job=m.job, step=m.step, peer=peer, seconds=round(time.perf_counter() - t0, 3)
             )
-        if done < self.cfg.replicas:
-            self.log.warning("replicas_short", job=m.job, step=m.step, wanted=self.cfg.replicas, made=done)
+        if len(made) + len(have) < self.cfg.replicas and not error:
+            error = f"{len(others)} other keeper(s) registered in the catalog"
+        return made, error
 
     async def _send(self, addr: str, m: Manifest) -> None:
         async with self._dial(addr) as (session, reader, writer):

@@ -28,13 +28,15 @@ A slot survives its rank (tmpfs outlives processes), not its node.
 Isolation: ``slots/`` is sticky and open to every uid (like ``/tmp``: a job
 creates its own directory there, nobody can rename or remove another's);
 ``slots/<job>/`` is created by the job's first rank, mode 0770 (its uid and
-group: the keeper reaches it as a member of the job's group, or as root), and a
-rank refuses one that another uid owns. The keeper (:func:`scan`) takes a slot
-only from a job directory owned by the uid it expects for that job and not
-writable by everyone, only from a regular file (no symlink followed) owned by
-that same uid with one link: a file another job planted there, or a hard link
-to another job's slot, is refused. A slot file whose header is malformed is
-refused too (:class:`SlotError`) and left where it is.
+group: the keeper reaches it as a member of the job's group, or as root). A rank
+never uses one that another uid owns, or a symlink: it says so and keeps its slots
+in a fallback directory ``slots/<job>.<16 hex>`` of its own
+(:func:`phalanx.checkpoint.jobdirs.own_job_dir`). The keeper (:func:`scan`) takes a
+slot only from a job's directory (under either name) owned by the uid it expects
+for that job and not writable by everyone, only from a regular file (no symlink
+followed) owned by that same uid with one link: a file another job planted there,
+or a hard link to another job's slot, is refused. A slot file whose header is
+malformed is refused too (:class:`SlotError`) and left where it is.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import phalanx.checkpoint.paths as paths
+from phalanx.checkpoint.jobdirs import SHARED_MODE, name_of_entry, own_job_dir
 from phalanx.settings import NodeSettings, load
 
 if TYPE_CHECKING:  # the keeper runs without torch; a rank has it
@@ -66,8 +69,7 @@ _META_AT = 64
 _PAGE = 4096
 _JOB = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _SLOT = re.compile(r"^[A-Za-z0-9_.-]{1,128}\.slot$")
-SLOTS_MODE = 0o1777  # <node>/slots: sticky, every job may create its directory
-JOB_DIR_MODE = 0o770
+SLOTS_MODE = SHARED_MODE  # <node>/slots: sticky, every job may create its directory
 SLOT_MODE = 0o660
 
 
@@ -91,10 +93,6 @@ def node_name() -> str:
 def shm_root() -> Path:
     """Where ranks and keepers share memory: ``PHALANX_SHM_ROOT``, else /dev/shm/phalanx."""
     return load(NodeSettings).shm_root
-
-
-def slot_dir(shm_root: Path, node: str, job: str) -> Path:
-    return shm_root / node / "slots" / job
 
 
 class SlotError(ValueError):
@@ -234,8 +232,10 @@ class SnapshotSlots:
     def __init__(self, shm_root: Path, node: str, job: str, worker: str, count: int = 3) -> None:
         if count < 1:
             raise ValueError("need at least one snapshot slot")
-        self.dir = slot_dir(shm_root, node, job)
-        self.dir_fd = own_job_dir(shm_root / node, "slots", job)
+        if not _JOB.match(job):
+            raise ValueError(f"{job!r} is not a job name (1-64 of letters, digits, '_', '-')")
+        own = own_job_dir(shm_root / node, "slots", job)  # a fallback where the job's name is squatted
+        self.dir, self.dir_fd = own.path, own.fd
         self.worker, self.count = worker, count
         self.files: dict[int, SlotFile] = {}
 
@@ -356,29 +356,6 @@ class SnapshotSlots:
             self.dir_fd = -1
 
 
-def own_job_dir(node_dir: Path, kind: str, job: str) -> int:
-    """A descriptor of ``<node_dir>/<kind>/<job>`` for a rank of ``job``: created (mode
-    0770) if missing, refused (PermissionError) if another uid owns it or everyone may
-    write it -- a directory some other job made under this job's name."""
-    if not _JOB.match(job):
-        raise ValueError(f"{job!r} is not a job name (1-64 of letters, digits, '_', '-')")
-    node_dir.parent.mkdir(parents=True, exist_ok=True)  # the configured root: trusted
-    with paths.dir_at(node_dir.parent, node_dir.name, create=0o755) as node_fd:
-        try:
-            os.mkdir(kind, SLOTS_MODE, dir_fd=node_fd)
-            with paths.dir_at(node_fd, kind) as kind_fd:
-                os.fchmod(kind_fd, SLOTS_MODE)  # the first comes before the keeper: open it to every job
-        except FileExistsError:
-            pass
-        fd = paths.open_dir(node_fd, kind, job, create=JOB_DIR_MODE)
-    try:
-        paths.check_owned(fd, os.geteuid(), str(node_dir / kind / job))
-    except PermissionError:
-        os.close(fd)
-        raise
-    return fd
-
-
 @dataclass
 class Scan:
     """What :func:`scan` found: the slots it may take, and what it refused (path, why)."""
@@ -390,8 +367,9 @@ class Scan:
 def scan(shm_root: Path, node: str, owner: Callable[[str], int]) -> Scan:
     """Every slot file on ``node`` the keeper may take, opened: (job, slot); the caller
     closes each (or keeps it). ``owner(job)``: the uid that must own the job's slot
-    directory and every slot file in it. Nothing is followed through a symlink;
-    whatever is refused is listed with the reason and left in place."""
+    directory (``slots/<job>``, or a fallback ``slots/<job>.<16 hex>``) and every slot
+    file in it. Nothing is followed through a symlink; whatever is refused is listed
+    with the reason and left in place."""
     out = Scan([], [])
     base = shm_root / node / "slots"
     try:
@@ -402,13 +380,14 @@ def scan(shm_root: Path, node: str, owner: Callable[[str], int]) -> Scan:
         out.refused.append((base, f"not a directory of this keeper: {exc}"))
         return out
     try:
-        for job in sorted(os.listdir(slots_fd)):
-            where = base / job
-            if not _JOB.match(job):
+        for entry in sorted(os.listdir(slots_fd)):
+            where = base / entry
+            job = name_of_entry(entry)  # the job's own name, or its fallback's
+            if job is None or not _JOB.match(job):
                 out.refused.append((where, "not a job name"))
                 continue
             try:
-                job_fd = paths.open_dir(slots_fd, job)
+                job_fd = paths.open_dir(slots_fd, entry)
             except FileNotFoundError:
                 continue
             except OSError as exc:

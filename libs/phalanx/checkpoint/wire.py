@@ -36,6 +36,10 @@ class WireError(RuntimeError):
     """The other side sent something that is not the protocol, or said no."""
 
 
+class FrameTooLarge(WireError):
+    """A frame announced more bytes than the reader takes (refused before reading them)."""
+
+
 def _decode(raw: bytes) -> dict[str, Any]:
     try:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
@@ -91,7 +95,7 @@ async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> dict[str,
     except asyncio.IncompleteReadError:
         raise WireError("connection closed before a frame") from None
     if n > max_bytes:
-        raise WireError(f"frame of {n} bytes announced, over {max_bytes}")
+        raise FrameTooLarge(f"frame of {n} bytes announced, over {max_bytes}")
     try:
         return _decode(await reader.readexactly(n))
     except asyncio.IncompleteReadError:
@@ -143,7 +147,16 @@ def call(path: str, request: dict[str, Any], timeout_s: float) -> dict[str, Any]
                 f"no keeper answers at {path} ({exc.strerror}): is state-replication running on this node"
                 " with the same PHALANX_NODE and --shm-root?"
             ) from None
-        s.sendall(encode_frame(request))
+        try:
+            s.sendall(encode_frame(request))
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            # The keeper refused before reading it all (too large, too many connections):
+            # its reason is in the reply it sent before closing, if it got here.
+            try:
+                reply = recv_frame(s)
+            except (OSError, WireError):
+                raise ConnectionError(f"the keeper at {path} closed the connection ({exc})") from None
+            return checked(reply)
         return checked(recv_frame(s))
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 import click
 from rich.console import Console
 
 from phalanx.bus import Bus
+from phalanx.bus.auth import ENV_NATS_USER
+from phalanx.bus.credentials import LocalLogins
 from phalanx.bus.probe import Unreachable, probe
 from phalanx.settings import CliSettings, PhalanxSettings, SettingsError, load
 
@@ -52,9 +56,23 @@ def server_url(endpoint: str | None = None) -> str:
     return settings().nats_url
 
 
+def use_local_login(url: str, name: str) -> None:
+    """Log in with this user's login ``name`` (``admin``, ``run``) of the local control
+    plane at ``url`` (:class:`~phalanx.bus.credentials.LocalLogins`, left by ``phalanx
+    up`` or a private control plane), unless a login is given already; none there: none."""
+    if os.environ.get(ENV_NATS_USER) or urlsplit(url.split(",")[0].strip()).username:
+        return
+    try:
+        os.environ.update(LocalLogins(url).read(name))
+    except PermissionError as exc:
+        raise Failed(str(exc)) from None
+
+
 async def connect(url: str, name: str, *, timeout_s: float = 5.0, ensure: bool = True) -> Bus:
     """A bus connection, or a :class:`Failed` that says what to start, within seconds
-    (``ensure``: the streams and buckets created if missing; a read-only command says no)."""
+    (``ensure``: the streams and buckets created if missing; a read-only command says no).
+    With no login given, the operator's of a local control plane (``admin``), if any."""
+    use_local_login(url, "admin")
     try:
         await probe(url, timeout_s=min(timeout_s, 3.0))
     except Unreachable as exc:

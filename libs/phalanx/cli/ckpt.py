@@ -2,7 +2,8 @@
 
 ``list JOB``: every checkpoint of JOB, newest first, and which tiers hold a complete
 copy. ``show JOB [STEP]``: every copy of one checkpoint (the newest without STEP) in
-every tier -- state, size, age -- and its manifest's kind, origin and files. ``rm JOB
+every tier -- state, size, age -- its manifest's kind, origin and files, and the peer
+replicas its origin keeper still misses (it retries until they exist). ``rm JOB
 STEP``: remove a checkpoint everywhere: its tombstone is written and its manifest
 deleted from the catalog at once (nothing lists or loads it any more), then every
 keeper removes the copies it holds (:mod:`phalanx.checkpoint.removal`); the command
@@ -27,10 +28,11 @@ from typing import Any
 import click
 import nats.errors
 from nats.js.errors import NotFoundError
+from rich.markup import escape
 from rich.table import Table
 
 from phalanx.bus import Bus
-from phalanx.checkpoint.catalog import SHARED_NODE, Catalog, Copy, Entry, is_job_name
+from phalanx.checkpoint.catalog import SHARED_NODE, Catalog, Copy, Entry, ReplicasShort, is_job_name
 from phalanx.checkpoint.manifest import Manifest, is_part, job_of
 from phalanx.checkpoint.tiers import Tier
 from phalanx.cli._common import Failed, connect, console, server_url
@@ -163,13 +165,27 @@ def _detail(e: Entry, now: float) -> dict[str, Any]:
         },
         "copies": [_copy(c, now) for c in sorted(e.copies, key=_order)],
         "removed": None if e.removed is None else {"at": e.removed.at, "by": e.removed.by},
+        "replicas_missing": None if e.replicas is None else _missing(e.replicas, now),
+    }
+
+
+def _missing(r: ReplicasShort, now: float) -> dict[str, Any]:
+    return {
+        "missing": r.missing,
+        "wanted": r.wanted,
+        "made": list(r.made),
+        "error": r.error,
+        "by": r.by,
+        "since_s": round(now - r.since, 3) if r.since else None,
     }
 
 
 def _note(e: Entry) -> str:
     if e.removed is not None and e.manifest is None:
         return f"removed: {len(e.copies)} copies left" if e.copies else "removed"
-    return "" if e.manifest is not None else "no manifest"
+    if e.manifest is None:
+        return "no manifest"
+    return f"{e.replicas.missing} replica(s) missing" if e.replicas is not None else ""
 
 
 # -- the commands ---------------------------------------------------------------------------
@@ -252,6 +268,13 @@ async def _show(job: str, step: int | None, as_json: bool) -> int:
         )
     if e.removed is not None:
         head += f"\nremoved {age(now - e.removed.at)} ago by {e.removed.by or '?'}"
+    if e.replicas is not None:
+        r = e.replicas
+        head += (
+            f"\n[yellow]replicas missing: {r.missing} of {r.wanted}[/] (made on: {', '.join(r.made) or 'none'})"
+            f" for {age(now - r.since)}, retried with backoff by {r.by or '?'}"
+            f" -- last error: {escape(r.error or '?')}"
+        )
     console.print(head)
     copies = Table(title="copies", title_justify="left")
     for col in ("tier", "node", "state", "bytes", "size", "age", "written by"):

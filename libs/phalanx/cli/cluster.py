@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import click
 
-from phalanx.cli._common import Failed, console
+from phalanx.cli._common import Failed, console, server_url, use_local_login
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -37,6 +37,7 @@ def _quiet() -> None:
 @click.group("cluster")
 def cluster_group() -> None:
     """Drive the local cluster: offer worker slots on a node, reclaim a node, show it."""
+    use_local_login(server_url(), "admin")  # the cluster's record is admin's to write
 
 
 @cluster_group.command("offer", context_settings={"ignore_unknown_options": True})  # N may read "-3"

@@ -31,6 +31,7 @@ from phalanx.cli._common import (
     require_services,
     server_url,
     settings,
+    use_local_login,
 )
 from phalanx.contract import Elastic, LrRule, Recovery
 from phalanx.settings import LauncherSettings, RankSettings
@@ -98,13 +99,19 @@ def _private_control_plane(job: str, workdir: Path) -> Iterator[tuple[str, dict[
     """A nats-server and the four services for this run only; yields (url, worker env)."""
     from phalanx.devstack.localstack import LocalStack
 
-    stack = LocalStack(workdir, env={"PHALANX_SPAN_FILE": str(settings().span_file.resolve())})
+    stack = LocalStack(
+        workdir,
+        env={"PHALANX_SPAN_FILE": str(settings().span_file.resolve())},
+        auth=True,
+        publish_logins=True,
+    )
     err_console.print(
         f"[dim]phalanx run: no NATS_URL and nothing on {DEFAULT_URL}: starting a private control plane "
-        f"(nats-server + 4 services) for job {job}; logs in {workdir}/[/]",
+        f"(nats-server + 4 services, logins required) for job {job}; logs in {workdir}/[/]",
         soft_wrap=True,
     )
     with stack:
+        use_local_login(stack.url, "run")  # this launcher's, and the one it hands its ranks
         yield stack.url, {"PHALANX_SHM_ROOT": str(stack.shm_root)}
 
 
@@ -139,6 +146,7 @@ def launch(
             url, env = stack.enter_context(_private_control_plane(config.job, workdir))
             config.nats_url, config.env = url, {**env, **config.env}
         else:
+            use_local_login(config.nats_url or DEFAULT_URL, "run")  # a `phalanx up` of this user's
             asyncio.run(_check_control_plane(config.nats_url or DEFAULT_URL, config.job))
         if notice:
             err_console.print(f"[dim]phalanx run: {notice}[/]", soft_wrap=True)

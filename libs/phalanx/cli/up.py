@@ -201,7 +201,13 @@ def up_command(
     # default .phalanx/spans.jsonl), so `phalanx trace summary` finds whole incidents
     spans = str(settings().span_file.resolve())
     stack = LocalStack(
-        workdir, nats_host=host, nats_port=port, service_env=env, env={"PHALANX_SPAN_FILE": spans}
+        workdir,
+        nats_host=host,
+        nats_port=port,
+        service_env=env,
+        env={"PHALANX_SPAN_FILE": spans},
+        auth=True,
+        publish_logins=True,
     )
     try:
         stack.start()
@@ -219,6 +225,12 @@ def up_command(
             "  in another terminal: [bold]phalanx run --nproc 2 -- python -m phalanx.examples.train_gpt[/]",
             soft_wrap=True,
         )
+        if stack.users.logins is not None:
+            console.print(
+                f"  logins required: yours are in {stack.users.logins.dir}/ (mode 0700; `phalanx` commands of "
+                "this user read them); on another machine: PHALANX_NATS_ENV_FILE=<a copy of run.env> phalanx run ...",
+                soft_wrap=True,
+            )
         asyncio.run(_watch(stack, stack.url, console.is_terminal if live is None else live, refresh))
     finally:
         stack.stop()

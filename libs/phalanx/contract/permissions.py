@@ -8,6 +8,7 @@ configuration and hands out the logins. Nothing here does I/O.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -233,16 +234,38 @@ def _stream_consume(stream: str) -> list[str]:
     ]
 
 
-def _plan_follow(job: str) -> list[str]:
+def _plan_follow(job: str, user: str) -> list[str]:
     """Read and watch the record ``<job>.plan`` (``*``: every job's) of the jobs bucket,
     only by the forms whose API subject names the key (the server checks the body
-    against it): a direct get, and a :class:`~phalanx.bus.keywatch.KeyWatch` consumer."""
+    against it): a direct get, and a :class:`~phalanx.bus.keywatch.KeyWatch` consumer
+    under one of the user's own :func:`watch_names` (which it may also delete)."""
     key = f"$KV.{JOBS_BUCKET}.{job}.plan"
+    names = watch_names(user)
     return [
         f"{JS_API}.STREAM.INFO.{KV_STREAM}",  # js.key_value(bucket)
         f"{JS_API}.DIRECT.GET.{KV_STREAM}.{key}",  # kv.get (the bucket has direct gets)
-        f"{JS_API}.CONSUMER.CREATE.{KV_STREAM}.*.{key}",  # KeyWatch: a consumer named with its filter
+        # a KeyWatch: a consumer named with its filter, under a name of the user's own
+        *(f"{JS_API}.CONSUMER.CREATE.{KV_STREAM}.{n}.{key}" for n in names),
+        *(f"{JS_API}.CONSUMER.DELETE.{KV_STREAM}.{n}" for n in names),
     ]
+
+
+WATCH_SLOTS = 4
+"""The KV watches of the jobs bucket one follower user may hold at once."""
+
+
+def watch_names(user: str) -> tuple[str, ...]:
+    """The only names under which ``user`` (a rank or launcher) may create a consumer on
+    the jobs bucket (:class:`~phalanx.bus.keywatch.KeyWatch`): a few per user, so no user
+    can hold more than :data:`WATCH_SLOTS` of the stream's consumers, durable or not,
+    and none can fill its consumer limit for the planner and every other job. A digest of
+    the user, since a consumer name may hold neither ``.`` nor ``/``.
+
+    >>> watch_names("rank@j1/w0")[0]
+    'watch_ce924756758b2c10_0'
+    """
+    tag = hashlib.sha256(user.encode()).hexdigest()[:16]
+    return tuple(f"watch_{tag}_{i}" for i in range(WATCH_SLOTS))
 
 
 def check_name(what: str, value: str) -> None:
@@ -321,7 +344,7 @@ def permissions(
     for stream in r.consumes:
         pub += _stream_consume(stream)
     if r.follows_plans:
-        pub += _plan_follow(job or "*")
+        pub += _plan_follow(job or "*", user)
     if r.creates_topology:
         pub += [f"{JS_API}.STREAM.CREATE.{s}" for s in ALL_STREAMS]
         # ensure_topology looks the buckets up

@@ -102,7 +102,7 @@ def _cluster(stack: LocalStack, *args: str) -> None:
     _say(f"  $ phalanx cluster {' '.join(args)}")
     done = subprocess.run(
         [sys.executable, "-m", "phalanx.cli", "cluster", *args],
-        env={**stack.env, **stack.role_env("admin")},
+        env={**stack.env, **stack.users.env("admin")},
         capture_output=True,
         text=True,
         timeout=30,
@@ -227,7 +227,7 @@ def _tiered(stack: LocalStack, corpus: Path, work: Path) -> bool:
     _say(f"  $ phalanx ckpt list {job}")
     listed = subprocess.run(
         [sys.executable, "-m", "phalanx.cli", "ckpt", "list", job],
-        env={**stack.env, **stack.role_env("observer"), "COLUMNS": "100"},
+        env={**stack.env, **stack.users.env("observer"), "COLUMNS": "100"},
         capture_output=True,
         text=True,
         timeout=30,

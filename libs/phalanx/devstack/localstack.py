@@ -34,18 +34,18 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from phalanx.bus import Bus
-from phalanx.bus.auth import ENV_NATS_PASSWORD, ENV_NATS_USER
 from phalanx.contract import Elastic, PlanDecision
 from phalanx.contract.permissions import ROLE_OF_SERVICE
 from phalanx.devstack.jobwatch import JobResult, last_logged_step, observe, wait_ended
 from phalanx.devstack.natsserver import NatsServer
 from phalanx.devstack.netns import NetnsCluster
+from phalanx.devstack.stackusers import StackUsers
 from phalanx.launcher.launcher import LaunchConfig, Launcher
 from phalanx.lifecycle import exit_on_sigterm
 from phalanx.natsauth import NatsAuth
@@ -68,6 +68,7 @@ class LocalStack:
         nats_host: str = "127.0.0.1",
         nats_port: int | None = None,
         service_env: Mapping[str, Mapping[str, str]] | None = None,
+        publish_logins: bool = False,
     ) -> None:
         self.cluster = cluster
         self.nats_host = nats_host
@@ -84,6 +85,8 @@ class LocalStack:
         self._spawned: dict[str, tuple[list[str], dict[str, str]]] = {}
         self.with_auth = auth
         self.auth: NatsAuth | None = None  # the users, once start() made them
+        self.users = StackUsers()  # each process's login (none with auth off)
+        self.publish_logins = publish_logins  # auth on: leave the logins for this user
         # The keepers' cluster key (phalanx.checkpoint.peerauth): one per stack, given to
         # state-replication processes only (unless the environment brings its own).
         self.keeper_env = (
@@ -100,24 +103,6 @@ class LocalStack:
     def span_file(self) -> Path:
         return Path(self.env["PHALANX_SPAN_FILE"])
 
-    def role_env(self, role: str) -> dict[str, str]:
-        """The credentials a process of ``role`` gets (nothing with auth off)."""
-        return self.auth.env(role) if self.auth is not None else {}
-
-    @contextlib.contextmanager
-    def _credentials(self, role: str) -> Iterator[None]:
-        """This process's environment holds ``role``'s credentials while Bus.connect reads them."""
-        saved = {k: os.environ.get(k) for k in (ENV_NATS_USER, ENV_NATS_PASSWORD)}
-        os.environ.update(self.role_env(role))
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
     def start(self) -> LocalStack:
         exit_on_sigterm()  # a SIGTERM of this process runs stop() (in `with` or finally)
         if self.with_auth and os.environ.get("NATS_URL"):
@@ -126,6 +111,7 @@ class LocalStack:
             conf = None
             if self.with_auth:
                 self.auth = NatsAuth.generate()
+                self.users = StackUsers(self.auth)
                 conf = self.auth.write_config(self.workdir / "nats.conf", listen=None)
             host = self.cluster.ip(self.control) if self.cluster is not None else self.nats_host
             self.server = NatsServer(
@@ -136,6 +122,8 @@ class LocalStack:
                 argv_prefix=self._argv([]),
             ).start()
             self.env["NATS_URL"] = self.server.url
+            if self.publish_logins:
+                self.users.publish(self.server.url)
         shm = str(self.shm_root)  # ranks and keepers share it
         for name in self.services:
             # The control node's keeper: the one of a single-node stack's node, "local"
@@ -154,7 +142,7 @@ class LocalStack:
         log = open(self.workdir / f"{key.replace('#', '-')}.log", "ab")
         full = {
             **self.env,
-            **self.role_env(ROLE_OF_SERVICE[name]),
+            **self.users.env(ROLE_OF_SERVICE[name]),
             **(self.keeper_env if name == "state-replication" else {}),
             **self.service_env.get(name, {}),
             **(env or {}),
@@ -210,7 +198,7 @@ class LocalStack:
         return self.cluster.argv(node or self.control, argv) if self.cluster is not None else argv
 
     async def _wait_healthy(self, timeout_s: float = 60.0) -> None:
-        with self._credentials("admin"):
+        with self.users.credentials("admin"):
             bus = await Bus.connect(self.url, name="localstack")
         try:
             deadline = time.monotonic() + timeout_s
@@ -242,6 +230,7 @@ class LocalStack:
         if self.server is not None:
             self.server.cleanup()
             self.server = None
+        self.users.withdraw()
         if self.env.get("PHALANX_SHM_ROOT", "").startswith(f"/dev/shm/phalanx-{self.workdir.name}-"):
             shutil.rmtree(self.env["PHALANX_SHM_ROOT"], ignore_errors=True)  # one this stack made
 
@@ -255,7 +244,7 @@ class LocalStack:
 
     # -- jobs ---------------------------------------------------------------------
     async def _observer(self, job: str) -> Bus:
-        with self._credentials("observer"):  # an observer may not create streams: auth on, no ensure
+        with self.users.credentials("observer"):  # an observer may not create streams: auth on, no ensure
             return await Bus.connect(
                 self.url, name=f"observer-{job}", ensure=self.auth is None, report_errors=False
             )
@@ -306,7 +295,7 @@ class LocalStack:
                 env={
                     **{k: v for k, v in self.env.items() if k.startswith(("PHALANX_", "OTEL_"))},
                     "PHALANX_FAULTS": faults,
-                    **self.role_env("rank"),
+                    **self.users.env("rank"),
                     **(env or {}),
                 },
                 log_dir=self.workdir / "logs" / job,
@@ -315,7 +304,7 @@ class LocalStack:
         )
         t0 = time.time()
         try:
-            with self._credentials("launcher"):  # its own connection; its ranks get cfg.env's
+            with self.users.credentials("launcher"):  # its own connection; its ranks get cfg.env's
                 await launcher.start()
             result.returncode = await launcher.wait(timeout_s)
         finally:
@@ -362,12 +351,7 @@ class LocalStack:
 
     def node_env(self, faults: str = "", env: dict[str, str] | None = None) -> dict[str, str]:
         """A launcher's environment: the stack's settings, its credentials, its ranks'."""
-        out = {**self.env, **self.role_env("launcher"), "PHALANX_FAULTS": faults, **(env or {})}
-        rank = self.role_env("rank")
-        if rank:
-            out["PHALANX_NATS_RANK_USER"] = rank[ENV_NATS_USER]
-            out["PHALANX_NATS_RANK_PASSWORD"] = rank[ENV_NATS_PASSWORD]
-        return out
+        return {**self.env, **self.users.run_env(), "PHALANX_FAULTS": faults, **(env or {})}
 
     def run_nodes(self, job: str, cmd: Sequence[str], **kwargs: Any) -> JobResult:
         """Run a job across nodes to its end; the arguments are :meth:`run_nodes_async`'s."""

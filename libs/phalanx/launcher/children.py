@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from phalanx.bus.credentials import ENV_WORKER_CREDENTIALS, worker_credentials
 from phalanx.contract import Role
 from phalanx.launcher.config import LaunchConfig
+from phalanx.settings.keeper import SERVICE_SECRET_ENV
 
 _PR_SET_PDEATHSIG = 1
 
@@ -71,7 +72,8 @@ def worker_env(
 ) -> dict[str, str]:
     """The environment of worker ``name``: the launcher's, the job's ``cfg.env``, then
     ``job_env`` (what the launcher knows of the job: store, bind, run, heartbeat socket),
-    and a NATS login of its own -- never the launcher's."""
+    and a NATS login of its own -- never the launcher's, and never a service's secret
+    (:data:`~phalanx.settings.keeper.SERVICE_SECRET_ENV`), wherever it came from."""
     env = {
         **os.environ,
         **cfg.env,
@@ -101,6 +103,8 @@ def worker_env(
         env.pop("PHALANX_NATS_PASSWORD", None)
         log.error("no_nats_login_for_worker", worker=name)
     env.update(own)
+    for secret in SERVICE_SECRET_ENV:
+        env.pop(secret, None)
     if cfg.nats_url:
         env["NATS_URL"] = cfg.nats_url
     return env

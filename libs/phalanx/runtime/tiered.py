@@ -148,8 +148,13 @@ class ShardedCheckpoints:
                 if self._least(int(reader is not None)):
                     assert reader is not None
                     break
+                if reader is not None:
+                    reader.close()
                 limit = step - 1
-            return self._load(reader, rank, step)
+            try:
+                return self._load(reader, rank, step)
+            finally:
+                reader.close()  # the verified files it holds open
 
     def _load(self, reader: TieredReader, rank: int, step: int) -> Restored:
         keys = reader.read_metadata().state_dict_metadata.keys()

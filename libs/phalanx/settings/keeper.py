@@ -24,6 +24,13 @@ Tiers = Annotated[TierPolicy | None, NoDecode, BeforeValidator(_tier_policy)]
 """``tier:every=N,last=N,pin=M; ...``, parsed once here (:meth:`TierPolicy.parse`)."""
 
 
+SERVICE_SECRET_ENV = ("PHALANX_KEEPER_KEY", "PHALANX_KEEPER_KEY_FILE")
+"""The variables that carry a service's secret (the keepers' cluster key, or where it
+is): only services read them, and a launcher never passes them on to a worker
+(:func:`phalanx.launcher.children.worker_env`) -- a rank that held the key could fetch
+any job's checkpoint from any keeper."""
+
+
 class KeeperSettings(ServiceSettings, NodeSettings):
     """Tiers, retention, the peer protocol's key and bounds, and the shared memory it serves."""
 
@@ -83,9 +90,31 @@ class KeeperSettings(ServiceSettings, NodeSettings):
         description="Bytes/s below which a whole transfer with a peer is dropped.",
     )
     keeper_max_connections: int = Field(
-        default=64, ge=1, description="Peer connections a keeper serves at once."
+        default=64, ge=1, description="Authenticated peer connections a keeper serves at once."
     )
     keeper_max_connections_per_peer: int = Field(default=8, ge=1, description="Of those, from one address.")
+    keeper_max_handshakes: int = Field(
+        default=64, ge=1, description="Peer connections not yet authenticated a keeper holds at once."
+    )
+    keeper_max_handshakes_per_peer: int = Field(default=4, ge=1, description="Of those, from one address.")
+    keeper_auth_failure_burst: int = Field(
+        default=8,
+        ge=1,
+        description="Failed handshakes an address may make in a row before it is refused at once.",
+    )
+    keeper_auth_failure_refill_s: float = Field(
+        default=10.0, gt=0, description="Then one more try is allowed every this many seconds."
+    )
+    keeper_rank_max_connections: int = Field(
+        default=64, ge=1, description="Connections to the ranks' Unix socket a keeper holds at once."
+    )
+    keeper_rank_max_connections_per_uid: int = Field(default=32, ge=1, description="Of those, from one uid.")
+    keeper_max_request_bytes: int = Field(
+        default=1 << 20,
+        ge=4096,
+        description="The largest request a rank may send to its keeper (a register of a DCP set"
+        " of 4096 ranks is ~350 KiB).",
+    )
     keeper_max_fills: int = Field(
         default=2, ge=1, description="Copies a keeper receives or restores into shared memory at once."
     )
