@@ -817,21 +817,23 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             detector.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 detector.wait(15)
-        if sims is not None:
-            sims.stop()
-        if launcher is not None:
-            await launcher.stop()
-        if bus is not None:
-            await bus.close()
-        for proc in services.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in services.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        srv.cleanup()
+        try:
+            if sims is not None:
+                sims.stop()
+            if launcher is not None:
+                await launcher.stop()
+            if bus is not None:
+                await bus.close()
+        finally:  # the services and the server go even when stopping the launcher failed
+            for proc in services.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in services.values():
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            srv.cleanup()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -74,6 +74,9 @@ MIB = 1 << 20
 # that two runs can be compared bit for bit.
 DETERMINISM_ENV = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
+STORE_SECRET = "gpu-check"
+"""The one generation secret the check's own stores serve (its ranks prove it)."""
+
 
 def log(msg: str) -> None:
     print(f"[gpu_check] {msg}", file=sys.stderr, flush=True)
@@ -252,6 +255,7 @@ def _transfer_rank(
         else:
             device = torch.device("cpu")
         store = connect_store(f"127.0.0.1:{port}")
+        store.prove(STORE_SECRET)  # the prefix's first part: its keys are this client's
         arrival_barrier(store, prefix, rank, 2, lambda: False, timeout_s=120.0)
         t0 = time.perf_counter()
         comm = Group(store, prefix, rank, 2, timeout_s=120.0, bind="127.0.0.1", device=device)
@@ -304,8 +308,8 @@ def _transfer_rank(
 def transfer(device_type: str, nbytes: int, repeats: int, timeout_s: float = 240.0) -> dict[str, Any]:
     """Rank 0 -> rank 1, two processes, one device each: ``send_state``/``recv_state``
     and the raw buffer, both timed on the receiver from a common barrier."""
-    store = host_store("127.0.0.1")
-    prefix = f"gpu-check/{os.getpid()}/{time.time_ns()}"
+    store = host_store("127.0.0.1", secrets=(STORE_SECRET,))
+    prefix = f"{STORE_SECRET}/{os.getpid()}/{time.time_ns()}"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
@@ -502,6 +506,7 @@ def _shrink_plan(addr: str, run: str, generation: int, world: int, shrunk: list[
         members=[Member(worker=f"w{r}", rank=r) for r in range(world)],
         reason="gpu_check shrink",
         store_prefix=f"gpu-check-shrink/{run}/gen{generation}",
+        store_secret=STORE_SECRET,
         store_addr=addr,
         shrunk=shrunk,
     )
@@ -579,7 +584,7 @@ def shrink_paths(dry_run: bool, repeats: int, timeout_s: float = 420.0) -> dict[
         }
     n = 3 if dry_run else min(gpus, 8)
     device_type = "cpu" if dry_run else "cuda"
-    store = host_store("127.0.0.1")
+    store = host_store("127.0.0.1", secrets=(STORE_SECRET,))
     run = f"{os.getpid()}-{time.time_ns()}"
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

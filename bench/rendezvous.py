@@ -19,8 +19,9 @@ usable, at N simulated ranks, for two designs in the same run:
   arrival stays on the first store).
 
 Simulated ranks are threads spread over ``--procs`` processes, each with its own
-client connection(s) to real ``TCPStore`` servers started the way the launcher starts
-them (``python -m phalanx.runtime.store --fd N``). All connect first, then start
+client connection(s) to real store servers started the way the launcher starts
+them (``python -m phalanx.runtime.store --fd N``, told each run's secret as a launcher
+is told each plan's; every client proves it). All connect first, then start
 together; a rank's time is from that start to when it holds everything its
 communicator needs. Every request is counted per store (requests, bytes sent and
 received, by the client side). A run still going at ``--limit-s`` stops, and says how
@@ -90,6 +91,13 @@ class Stores:
             self.close()
             raise
 
+    def allow(self, secret: str) -> None:
+        """Serve the generation of ``secret`` (what a launcher writes for each plan)."""
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write(f"allow {secret}\n".encode())
+            proc.stdin.flush()
+
     def close(self) -> None:
         for proc in self.procs:
             if proc.stdin is not None:
@@ -152,9 +160,6 @@ def counted_store(client: Any, counts: dict[str, int]) -> Any:
                 client.wait(keys)
             else:
                 client.wait(keys, timeout)
-
-        def num_keys(self) -> int:
-            return int(client.num_keys())
 
         def clone(self) -> Any:
             self.c._n("connect", 0)
@@ -227,11 +232,16 @@ def sim_once(spec: dict[str, Any]) -> bool:
     ranks = list(range(spec["lo"], spec["hi"]))
     counts: list[dict[str, int]] = [{} for _ in addrs]
     lock = threading.Lock()
+    clients: list[Any] = []  # closed after the run: a store client lives until closed
 
     def connect(addr: str) -> Any:
         with lock:
             counts[addrs.index(addr)]["connect"] = counts[addrs.index(addr)].get("connect", 0) + 1
-        return counted_store(connect_store(addr, 60.0), counts[addrs.index(addr)])
+        client = connect_store(addr, 60.0)
+        client.prove(base.partition("/")[0])  # raw keys <secret>/<prefix>/...: as a member's
+        with lock:
+            clients.append(client)
+        return counted_store(client, counts[addrs.index(addr)])
 
     stores: dict[int, tuple[Any, Any, Any]] = {}
 
@@ -243,7 +253,7 @@ def sim_once(spec: dict[str, Any]) -> bool:
         keys: dist.Store = root
         if design == "spread":
             keys = SpreadStore(addrs, connect)
-            keys.num_keys()  # connects to every store
+            keys.connect_all()
         stores[r] = (root, keys, waiter)
 
     # In parallel: on a host without DNS torch's connect stalls 5 s in a reverse lookup now and then
@@ -280,7 +290,11 @@ def sim_once(spec: dict[str, Any]) -> bool:
         t.join(max(0.1, deadline - time.monotonic() + 30.0))
     result = {"done": done, "errors": dict(list(errors.items())[:3]), "failed": len(errors), "counts": counts}
     print(json.dumps(result), flush=True)
-    return not any(t.is_alive() for t in threads)
+    blocked = any(t.is_alive() for t in threads)
+    if not blocked:
+        for client in clients:
+            client.close()
+    return not blocked
 
 
 class Pool:
@@ -361,7 +375,9 @@ def pct(xs: list[float], q: float, digits: int = 4) -> float | None:
 
 def sim_run(design: str, n: int, stores: Stores, pool: Pool, limit_s: float) -> dict[str, Any]:
     addrs = stores.addrs if design == "spread" else stores.addrs[:1]
-    base = f"{uuid.uuid4().hex[:16]}/bench/{design}-{n}"  # a secret, then the prefix: as a generation's
+    secret = uuid.uuid4().hex[:16]
+    base = f"{secret}/bench/{design}-{n}"  # the secret, then the prefix: as a generation's keys
+    stores.allow(secret)
     specs = [
         {"design": design, "n": n, "addrs": addrs, "base": base, "lo": lo, "hi": hi}
         for lo, hi in split(n, pool.size)
@@ -496,7 +512,8 @@ def e2e_worker(spec: dict[str, Any]) -> None:
     os._exit(0)  # the groups' teardown is not what is measured
 
 
-def e2e_run(design: str, n: int, addr: str, procs: int, limit_s: float) -> dict[str, Any]:
+def e2e_run(design: str, n: int, stores: Stores, procs: int, limit_s: float) -> dict[str, Any]:
+    addr = stores.addrs[0]
     specs = [
         {
             "design": design,
@@ -511,6 +528,7 @@ def e2e_run(design: str, n: int, addr: str, procs: int, limit_s: float) -> dict[
         for lo, hi in split(n, procs)
     ]
     prefix, secret = specs[0]["prefix"], specs[0]["secret"]
+    stores.allow(str(secret))
     for s in specs:
         s["prefix"], s["secret"] = prefix, secret
     t = time.monotonic()
@@ -585,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(json.dumps(run))
         if args.e2e_ranks:
             for design in ("today", "new"):
-                run = e2e_run(design, args.e2e_ranks, stores.addrs[0], args.e2e_procs, args.limit_s)
+                run = e2e_run(design, args.e2e_ranks, stores, args.e2e_procs, args.limit_s)
                 e2e.append(run)
                 log(json.dumps(run))
     finally:

@@ -29,14 +29,17 @@ from phalanx.worker.addr import listen_socket
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# A worker that meets the launcher's store at the address it is given, and exits 0.
+# A worker that meets the launcher's store at the address it is given (the store greets
+# it), proves a generation's secret when it is given one, and exits 0.
 WORKER = textwrap.dedent(
     """
     import os
-    from phalanx.runtime.comm import connect_store
+    from phalanx.runtime.comm import connect_store, generation_store
     s = connect_store(os.environ["PHALANX_STORE_ADDR"], timeout_s=30)
-    s.set("from-" + os.environ["PHALANX_WORKER"], "here")
-    assert s.get("from-" + os.environ["PHALANX_WORKER"]) == b"here"
+    if os.environ.get("SECRET"):
+        g = generation_store(s, os.environ["SECRET"])
+        g.set("from-" + os.environ["PHALANX_WORKER"], "here")
+        assert g.get("from-" + os.environ["PHALANX_WORKER"]) == b"here"
     """
 )
 
@@ -129,9 +132,15 @@ async def test_a_store_serves_until_stopped_then_ends_cleanly() -> None:
     await store.start()
     try:
         await store.ready(60)
+        store.allow("gen-s3cret")  # what the launcher does for each plan
         client = subprocess.run(
             [sys.executable, "-c", WORKER],
-            env={**os.environ, "PHALANX_STORE_ADDR": f"127.0.0.1:{port}", "PHALANX_WORKER": "w9"},
+            env={
+                **os.environ,
+                "PHALANX_STORE_ADDR": f"127.0.0.1:{port}",
+                "PHALANX_WORKER": "w9",
+                "SECRET": "gen-s3cret",
+            },
             capture_output=True,
             text=True,
             timeout=60,

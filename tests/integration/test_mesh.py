@@ -1,5 +1,5 @@
 """FSDP2 HSDP on Phalanx's mesh (phalanx.runtime.mesh), four real processes over
-gloo and a loopback TCPStore, no bus: the same training as torchrun's
+gloo and a loopback store, no bus: the same training as torchrun's
 ``init_device_mesh`` bitwise, also when the groups FSDP2 holds are re-pointed at a
 new generation mid-run; and a rank that dies mid-step fails its peers' step
 without raising into the training code."""
@@ -21,8 +21,8 @@ _runs = itertools.count()
 
 
 def _run(tmp_path: Path, mode: str, *extra: str) -> list[subprocess.CompletedProcess[str]]:
-    store = host_store()
-    prefix = f"mesh-{os.getpid()}-{next(_runs)}"
+    prefix = f"mesh-{os.getpid()}-{next(_runs)}"  # also the generations' secret (mesh_worker)
+    store = host_store(secrets=(prefix,))
     procs = [
         subprocess.Popen(
             [

@@ -1,7 +1,7 @@
 """DDP's buckets mapped onto a generation's layout (phalanx.runtime.buckets): a rank
 whose DDP still has its first-iteration buckets all-reduces with peers whose DDP has
 rebuilt them, through real DDP reducers, a real Communicator and gloo (ranks as
-threads over a loopback TCPStore), and every rank ends with the same gradients."""
+threads over a loopback store), and every rank ends with the same gradients."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from phalanx.contract import Member, Plan
 from phalanx.runtime.buckets import Layout, Remap, done
 from phalanx.runtime.comm import CommError, Communicator, Group
-from phalanx.runtime.store import host_store
+from tests.stores import SECRET, hosted
 
 JOIN_S = 60.0
 _names = itertools.count()
@@ -103,18 +103,22 @@ def test_a_fresh_ddp_mapped_onto_its_peers_rebuilt_buckets_reduces_as_they_do() 
     agreed.step(batch(0))
     assert len(first.layout()) == 1 < len(agreed.layout())  # the layouts differ: unmapped, no match
     layout = agreed.layout()
-    store = host_store()
+    store = hosted(SECRET)
     plan = Plan(
         job="j1",
         generation=1,
         members=[Member(worker=f"w{r}", rank=r) for r in range(3)],
         reason="test",
         store_prefix="test-buckets/gen1",
+        store_secret=SECRET,
         store_addr=f"127.0.0.1:{store.port}",
     )
 
+    comms: list[Communicator] = []
+
     def rank(r: int) -> dict[str, torch.Tensor]:
         comm = Communicator(f"w{r}", plan.store_addr, backstop_s=JOIN_S)
+        comms.append(comm)
         comm.configure(plan, cancelled=lambda: False, arrival_s=JOIN_S, connect_s=JOIN_S)
         errors: list[CommError] = []
         if r == 1:  # a joiner: DDP's first-iteration buckets, mapped onto the agreed ones
@@ -130,11 +134,14 @@ def test_a_fresh_ddp_mapped_onto_its_peers_rebuilt_buckets_reduces_as_they_do() 
 
             h.fn = direct
         grads = h.step(batch(r))
-        comm.release()
         assert not errors, errors
         return grads
 
-    results = run_ranks(3, rank)
+    try:  # released once every rank is done: one done may still be sending to a peer
+        results = run_ranks(3, rank)
+    finally:
+        for comm in comms:
+            comm.release()
     for res in results:
         assert isinstance(res, dict), res
     expected: dict[str, torch.Tensor] = {}

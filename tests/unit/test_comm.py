@@ -1,7 +1,7 @@
 """The communicator (phalanx.runtime.comm): store helpers, the abandonable arrival
 barrier, a generation's group (collectives and the destroy cascade), and the
 long-lived Communicator re-pointed from one generation to the next, each of its
-phases under its bound, with ranks as threads over a real loopback TCPStore and
+phases under its bound, with ranks as threads over Phalanx's store on loopback and
 gloo; backend choice by device, abort on gloo, and (skipped without GPUs) NCCL
 beside gloo and its real abort."""
 
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.contract import Member, Plan
+from phalanx.runtime import storeserver
 from phalanx.runtime.comm import (
     CommError,
     Communicator,
@@ -29,19 +30,31 @@ from phalanx.runtime.comm import (
     Superseded,
     arrival_barrier,
     backend_for,
-    connect_store,
     generation_store,
 )
+from phalanx.runtime.comm import connect_store as connect_unproved
 from phalanx.runtime.store import host_store
+from phalanx.runtime.storeclient import StoreClient
+from phalanx.runtime.storeserver import ThreadedStore
+from tests.stores import hosted, member
+
+ROOT = "test-comm"  # the secret the raw clients prove: keys under test-comm/ are theirs
+SECRETS = (ROOT, "s1", "s2", "s3", "s3cret-of-gen-1", "s3cret-of-gen-2", "s3cret-never-shown")
 
 JOIN_S = 60.0  # generous: a hang shows up as a failure, never as a flaky timing
 _prefixes = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def store() -> Iterator[dist.TCPStore]:
-    s = host_store()
+def store() -> Iterator[ThreadedStore]:
+    s = hosted(*SECRETS)
     yield s
+    s.close()
+
+
+def connect_store(addr: str, timeout_s: float = 30.0) -> StoreClient:
+    """A client with this module's keys (``test-comm/...``)."""
+    return member(addr, ROOT, timeout_s)
 
 
 @pytest.fixture
@@ -49,7 +62,7 @@ def prefix() -> str:
     return f"test-comm/{next(_prefixes)}"
 
 
-def _addr(store: dist.TCPStore) -> str:
+def _addr(store: ThreadedStore) -> str:
     return f"127.0.0.1:{store.port}"
 
 
@@ -73,13 +86,13 @@ def run_ranks(n: int, fn: Callable[[int], Any], join_s: float = JOIN_S) -> list[
     return results
 
 
-def _comm(store: dist.TCPStore, prefix: str, rank: int, n: int, timeout_s: float = 30.0) -> Group:
+def _comm(store: ThreadedStore, prefix: str, rank: int, n: int, timeout_s: float = 30.0) -> Group:
     client = connect_store(_addr(store))
     arrival_barrier(client, prefix, rank, n, lambda: False, timeout_s=JOIN_S)
     return Group(client, prefix, rank, n, timeout_s=timeout_s)
 
 
-def _plan(store: dist.TCPStore, generation: int, workers: list[str], secret: str = "") -> Plan:
+def _plan(store: ThreadedStore, generation: int, workers: list[str], secret: str = ROOT) -> Plan:
     return Plan(
         job="j1",
         generation=generation,
@@ -97,19 +110,19 @@ def _plan(store: dist.TCPStore, generation: int, workers: list[str], secret: str
 @pytest.mark.parametrize("addr", ["", "localhost", "localhost:", ":1234", "host:port", "host:12a", "1234"])
 def test_connect_store_rejects_malformed_address(addr: str) -> None:
     with pytest.raises(ValueError, match="host:port"):
-        connect_store(addr)
+        connect_unproved(addr)
 
 
-def test_connect_store_reaches_the_hosted_store(store: dist.TCPStore, prefix: str) -> None:
+def test_connect_store_reaches_the_hosted_store(store: ThreadedStore, prefix: str) -> None:
     client = connect_store(_addr(store))
     client.set(f"{prefix}/k", "v")
-    assert store.get(f"{prefix}/k") == b"v"
+    assert connect_store(_addr(store)).get(f"{prefix}/k") == b"v"
 
 
 # -- arrival_barrier -----------------------------------------------------------------------------
 
 
-def test_arrival_barrier_returns_once_all_arrived(store: dist.TCPStore, prefix: str) -> None:
+def test_arrival_barrier_returns_once_all_arrived(store: ThreadedStore, prefix: str) -> None:
     def rank(r: int) -> bool:
         arrival_barrier(connect_store(_addr(store)), prefix, r, 3, lambda: False, timeout_s=JOIN_S)
         return True
@@ -117,7 +130,7 @@ def test_arrival_barrier_returns_once_all_arrived(store: dist.TCPStore, prefix: 
     assert run_ranks(3, rank) == [True, True, True]
 
 
-def test_arrival_barrier_superseded_when_cancelled(store: dist.TCPStore, prefix: str) -> None:
+def test_arrival_barrier_superseded_when_cancelled(store: ThreadedStore, prefix: str) -> None:
     calls = 0
 
     def cancelled() -> bool:
@@ -125,15 +138,16 @@ def test_arrival_barrier_superseded_when_cancelled(store: dist.TCPStore, prefix:
         calls += 1
         return calls >= 3
 
+    client = connect_store(_addr(store))
     with pytest.raises(Superseded, match=prefix):
-        arrival_barrier(store, prefix, 0, 2, cancelled, timeout_s=JOIN_S)
+        arrival_barrier(client, prefix, 0, 2, cancelled, timeout_s=JOIN_S)
     assert calls == 3
-    assert store.check([f"{prefix}/arrived/0"])  # it did announce itself
+    assert client.check([f"{prefix}/arrived/0"])  # it did announce itself
 
 
-def test_arrival_barrier_times_out_naming_the_missing(store: dist.TCPStore, prefix: str) -> None:
+def test_arrival_barrier_times_out_naming_the_missing(store: ThreadedStore, prefix: str) -> None:
     with pytest.raises(CommError, match=rf"{prefix}/arrived/1") as ei:
-        arrival_barrier(store, prefix, 0, 2, lambda: False, timeout_s=0.05)
+        arrival_barrier(connect_store(_addr(store)), prefix, 0, 2, lambda: False, timeout_s=0.05)
     assert f"{prefix}/arrived/0" not in str(ei.value)
 
 
@@ -141,7 +155,7 @@ def test_arrival_barrier_times_out_naming_the_missing(store: dist.TCPStore, pref
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_allreduce_sum(store: dist.TCPStore, prefix: str, n: int) -> None:
+def test_allreduce_sum(store: ThreadedStore, prefix: str, n: int) -> None:
     def rank(r: int) -> torch.Tensor:
         comm = _comm(store, prefix, r, n)
         t = torch.tensor([float(r + 1), 10.0 * r, -1.0])
@@ -155,7 +169,7 @@ def test_allreduce_sum(store: dist.TCPStore, prefix: str, n: int) -> None:
         assert torch.equal(got, want)
 
 
-def test_send_recv_with_tags(store: dist.TCPStore, prefix: str) -> None:
+def test_send_recv_with_tags(store: ThreadedStore, prefix: str) -> None:
     def rank(r: int) -> torch.Tensor | None:
         comm = _comm(store, prefix, r, 2)
         if r == 0:
@@ -177,7 +191,7 @@ def test_send_recv_with_tags(store: dist.TCPStore, prefix: str) -> None:
     assert res[1].tolist() == [0, 1, 2, 3, 9, 9]
 
 
-def test_destroyed_communicator_refuses_use(store: dist.TCPStore, prefix: str) -> None:
+def test_destroyed_communicator_refuses_use(store: ThreadedStore, prefix: str) -> None:
     comm = _comm(store, prefix, 0, 1)
     t = torch.ones(2)
     comm.allreduce_sum_(t)
@@ -188,7 +202,7 @@ def test_destroyed_communicator_refuses_use(store: dist.TCPStore, prefix: str) -
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_destroy_cascades_to_peers_blocked_in_allreduce(store: dist.TCPStore, prefix: str, n: int) -> None:
+def test_destroy_cascades_to_peers_blocked_in_allreduce(store: ThreadedStore, prefix: str, n: int) -> None:
     """Rank 0 leaves without joining the collective; every peer blocked in it fails.
 
     The per-op timeout is far above the join timeout, so only the cascade (closed
@@ -243,7 +257,7 @@ def _listening_ports() -> dict[int, str]:
 
 
 def test_host_store_listens_on_its_address_only() -> None:
-    s = host_store("127.0.0.1")
+    s = host_store("127.0.0.1", secrets=(ROOT,))
     assert _reachable("127.0.0.1", s.port)
     # 127.0.0.2 is this host too: a store bound to every interface would answer there
     assert not _reachable("127.0.0.2", s.port)
@@ -251,7 +265,7 @@ def test_host_store_listens_on_its_address_only() -> None:
 
 
 def test_gloo_binds_the_address_it_is_given(prefix: str) -> None:
-    s = host_store("127.0.0.1")
+    s = host_store("127.0.0.1", secrets=(ROOT,))
     before = set(_listening_ports())
 
     def build(rank: int) -> Group:
@@ -272,49 +286,49 @@ def test_gloo_binds_the_address_it_is_given(prefix: str) -> None:
 
 
 def test_without_the_generations_secret_a_client_neither_sees_nor_forges_its_keys(
-    store: dist.TCPStore, prefix: str
+    store: ThreadedStore, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Members keep their keys under the plan's ``store_secret`` (generation_store), meet
-    and all-reduce. A client with the store's address and the plan's ``store_prefix`` but
-    not the secret (another job's rank, anyone on the network) finds none of their keys,
-    and an arrival it plants is not taken for a member's; nor does the secret of an
-    earlier generation (a fenced member's) open this one."""
+    """Members prove the plan's ``store_secret`` (generation_store), meet and all-reduce.
+    A client with the store's address and the plan's ``store_prefix`` but not the secret
+    (another job's rank, anyone on the network) is refused; the secret of an earlier
+    generation (a fenced member's) opens only that generation's keys, so what it plants
+    is not taken for a member's arrival. The wire-level attacks are test_storeserver's."""
     secret, old_secret = "s3cret-of-gen-2", "s3cret-of-gen-1"
-    intruder = connect_store(_addr(store))
+    monkeypatch.setattr(storeserver, "LEARN_S", 0.2)  # how long an unknown secret's proof waits
+    with pytest.raises(dist.DistStoreError, match="authentication failed"):
+        generation_store(connect_unproved(_addr(store)), "a-guess")
+    fenced = generation_store(connect_unproved(_addr(store)), old_secret)
     arrived = [f"{prefix}/arrived/{r}" for r in range(2)]
-    intruder.set(arrived[1], "forged")  # rank 1's arrival under the prefix alone ...
-    generation_store(intruder, old_secret).set(arrived[1], "forged")  # ... and under the old secret
-    lone = generation_store(connect_store(_addr(store)), secret)
-    with pytest.raises(CommError, match="timed out"):  # the plants do not complete rank 0's barrier
+    fenced.set(arrived[1], "forged")
+    lone = generation_store(connect_unproved(_addr(store)), secret)
+    with pytest.raises(CommError, match="timed out"):  # the plant does not complete rank 0's barrier
         arrival_barrier(lone, prefix, 0, 2, lambda: False, timeout_s=0.5)
 
-    def member(rank: int) -> list[float]:
-        client = generation_store(connect_store(_addr(store)), secret)
-        arrival_barrier(client, prefix, rank, 2, lambda: False, timeout_s=JOIN_S)
-        comm = Group(client, prefix, rank, 2)
-        t = torch.full((2,), float(rank + 1))
+    def rank(r: int) -> list[float]:
+        client = generation_store(connect_unproved(_addr(store)), secret)
+        arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
+        comm = Group(client, prefix, r, 2)
+        t = torch.full((2,), float(r + 1))
         comm.allreduce_sum_(t)
         comm.destroy()
         return t.tolist()
 
-    assert run_ranks(2, member) == [[3.0, 3.0], [3.0, 3.0]]
-    assert generation_store(intruder, secret).check(arrived)  # the members' keys are there ...
-    assert not intruder.check([arrived[0]])  # ... but not where the prefix alone leads
-    assert not generation_store(intruder, old_secret).check([arrived[0]])  # nor the old secret
-    assert intruder.get(arrived[1]) == b"forged"  # the plant stayed the intruder's own
-    assert generation_store(intruder, secret).get(arrived[1]) != b"forged"
-    assert generation_store(intruder, "") is intruder  # no secret (an older planner's plan): as before
+    assert run_ranks(2, rank) == [[3.0, 3.0], [3.0, 3.0]]
+    assert fenced.get(arrived[1]) == b"forged"  # the plant stayed in the old generation
+    assert generation_store(connect_unproved(_addr(store)), secret).get(arrived[1]) != b"forged"
+    with pytest.raises(ValueError, match="no store secret"):
+        generation_store(connect_unproved(_addr(store)), "")
 
 
-def test_a_failed_rendezvous_names_its_prefix_never_its_secret(store: dist.TCPStore, prefix: str) -> None:
+def test_a_failed_rendezvous_names_its_prefix_never_its_secret(store: ThreadedStore, prefix: str) -> None:
     """torch names the key it waited for in full; the CommError (what is logged and
     published) shows it from the prefix on, without the secret."""
     secret = "s3cret-never-shown"
-    alone = generation_store(connect_store(_addr(store), timeout_s=1.0), secret)
+    alone = generation_store(connect_unproved(_addr(store), timeout_s=1.0), secret)
     with pytest.raises(CommError) as caught:
         Group(alone, prefix, 0, 2, timeout_s=1.0)  # rank 1 never comes
     text = str(caught.value)
-    assert f"<secret>/{prefix}/" in text and secret not in text, text
+    assert f"{prefix}/" in text and secret not in text, text
     assert secret not in "".join(traceback.format_exception(caught.value))  # a logged traceback too
 
 
@@ -345,7 +359,7 @@ def test_backend_for_refuses_other_devices(device: str) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
-def test_communicator_on_cuda_without_cuda_is_a_clear_error(store: dist.TCPStore, prefix: str) -> None:
+def test_communicator_on_cuda_without_cuda_is_a_clear_error(store: ThreadedStore, prefix: str) -> None:
     """Refused before anything is built: with world size 2 and no peer, building gloo
     first would block for the timeout and fail with CommError instead."""
     client = connect_store(_addr(store))
@@ -355,7 +369,7 @@ def test_communicator_on_cuda_without_cuda_is_a_clear_error(store: dist.TCPStore
         Group(client, prefix, 0, 2, timeout_s=5.0, device=torch.device("meta"))
 
 
-def test_cpu_device_is_the_default_path(store: dist.TCPStore, prefix: str) -> None:
+def test_cpu_device_is_the_default_path(store: ThreadedStore, prefix: str) -> None:
     def rank(r: int) -> tuple[torch.device, torch.Tensor]:
         client = connect_store(_addr(store))
         arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
@@ -387,7 +401,7 @@ def test_abort_on_gloo_is_harmless_and_final() -> None:
     comm.abort()  # after destroy too
 
 
-def test_abort_on_gloo_releases_an_op_in_flight_and_its_peer(store: dist.TCPStore, prefix: str) -> None:
+def test_abort_on_gloo_releases_an_op_in_flight_and_its_peer(store: ThreadedStore, prefix: str) -> None:
     """gloo's own abort() does nothing to an op in flight; Group.abort() cuts the
     group's sockets: the allreduce blocked in another thread fails at once, long
     before its per-op timeout, and so does the peer's op with this rank."""
@@ -444,7 +458,7 @@ def test_cuda_communicator_dispatches_by_tensor_device() -> None:
 
 @needs_2_gpus
 def test_nccl_abort_releases_an_allreduce_blocked_in_another_thread(
-    store: dist.TCPStore, prefix: str
+    store: ThreadedStore, prefix: str
 ) -> None:
     built = threading.Barrier(2)
     comms: dict[int, Group] = {}
@@ -478,7 +492,7 @@ def test_nccl_abort_releases_an_allreduce_blocked_in_another_thread(
 # -- the long-lived Communicator -----------------------------------------------------------------
 
 
-def test_one_communicator_is_re_pointed_from_generation_to_generation(store: dist.TCPStore) -> None:
+def test_one_communicator_is_re_pointed_from_generation_to_generation(store: ThreadedStore) -> None:
     """The same objects go through generations of 3, then 2 ranks (one left), then 3
     again (a joiner): each configure() reaches that generation's members only."""
     workers = ["w0", "w1", "w2", "w3"]
@@ -522,13 +536,13 @@ def test_one_communicator_is_re_pointed_from_generation_to_generation(store: dis
             comm.allreduce_sum_(torch.ones(1))
 
 
-def test_configure_refuses_a_plan_without_this_worker(store: dist.TCPStore) -> None:
+def test_configure_refuses_a_plan_without_this_worker(store: ThreadedStore) -> None:
     comm = Communicator("w9", _addr(store))
     with pytest.raises(ValueError, match="no member"):
         comm.configure(_plan(store, 1, ["w0"]), cancelled=lambda: False, arrival_s=1.0, connect_s=1.0)
 
 
-def test_a_rendezvous_is_bounded_and_abandonable(store: dist.TCPStore) -> None:
+def test_a_rendezvous_is_bounded_and_abandonable(store: ThreadedStore) -> None:
     """Waiting for a member that never arrives ends at the arrival bound (CommError)
     or at once when a newer plan supersedes it; either way no group is held."""
     comm = Communicator("w0", _addr(store), backstop_s=JOIN_S)
@@ -547,7 +561,7 @@ def test_a_rendezvous_is_bounded_and_abandonable(store: dist.TCPStore) -> None:
 
 
 def test_connecting_to_a_member_hung_after_its_arrival_ends_at_the_connect_bound(
-    store: dist.TCPStore,
+    store: ThreadedStore,
 ) -> None:
     """w1 arrives, then hangs before building its group (``connecting`` blocks): w0's
     connect gives up after ``connect_s``, not gloo's default or the backstop."""
@@ -571,7 +585,7 @@ def test_connecting_to_a_member_hung_after_its_arrival_ends_at_the_connect_bound
     assert took["w0"] < 10.0, took
 
 
-def test_abort_below_spares_a_newer_generation(store: dist.TCPStore) -> None:
+def test_abort_below_spares_a_newer_generation(store: ThreadedStore) -> None:
     comm = Communicator("w0", _addr(store), backstop_s=JOIN_S)
     comm.configure(_plan(store, 3, ["w0"]), cancelled=lambda: False, arrival_s=JOIN_S, connect_s=JOIN_S)
     comm.abort(below=3)  # a plan of this very generation: nothing to abort

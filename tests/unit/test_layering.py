@@ -23,6 +23,7 @@ FLOORS: dict[str, int] = {
     "phalanx": 0,  # the root __init__ (the version)
     "phalanx.contract": 0,
     "phalanx.lifecycle": 0,
+    "phalanx.limits": 0,
     "phalanx.tracesummary": 0,
     "phalanx.batchplan": 1,
     "phalanx.settings": 1,

@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from phalanx.contract import Member, Plan
+from phalanx.runtime.bounds import Bounds
 from phalanx.runtime.comm import CommError, Communicator
 from phalanx.runtime.loop import MicroBatches, UserLoop, _roll_back, rescale_lrs, snapshot
-from phalanx.runtime.store import host_store
+from tests.stores import SECRET, hosted
 from tests.unit.test_buckets import run_ranks
 
 JOIN_S = 60.0
@@ -35,6 +36,9 @@ class FakeSession:
         self.rank, self.world_size, self.step, self.vote = rank, world, 0, vote
         self.device = torch.device("cpu")
         self.separate_collectives = 0
+        self.bounds = Bounds(
+            floor_s=2.0, factor=4.0, initial_s=JOIN_S, backstop_s=JOIN_S, rendezvous_s=JOIN_S
+        )
 
     def collective_bound_s(self) -> float:
         return JOIN_S
@@ -84,25 +88,30 @@ def batch(rank: int, n: int = 5, seed: int = 100) -> torch.Tensor:
 
 def ranks(n: int, fn: Callable[[int, Communicator], Any]) -> list[Any]:
     """``fn(rank, comm)`` in ``n`` threads, each with a Communicator of one generation."""
-    store = host_store()
+    store = hosted(SECRET)
     plan = Plan(
         job="j1",
         generation=1,
         members=[Member(worker=f"w{r}", rank=r) for r in range(n)],
         reason="test",
         store_prefix=f"test-loop-step/{next(_plans)}",
+        store_secret=SECRET,
         store_addr=f"127.0.0.1:{store.port}",
     )
 
+    comms: list[Communicator] = []
+
     def body(r: int) -> Any:
         comm = Communicator(f"w{r}", plan.store_addr, backstop_s=JOIN_S)
-        try:
-            comm.configure(plan, cancelled=lambda: False, arrival_s=JOIN_S, connect_s=JOIN_S)
-            return fn(r, comm)
-        finally:
-            comm.release()
+        comms.append(comm)
+        comm.configure(plan, cancelled=lambda: False, arrival_s=JOIN_S, connect_s=JOIN_S)
+        return fn(r, comm)
 
-    results = run_ranks(n, body)
+    try:  # released once every rank is done: one done may still be sending to a peer
+        results = run_ranks(n, body)
+    finally:
+        for comm in comms:
+            comm.release()
     for res in results:
         if isinstance(res, BaseException):
             raise res

@@ -28,7 +28,8 @@ from phalanx.runtime.nccl_shrink import (
     resolve_mode,
     shrink_rank,
 )
-from phalanx.runtime.store import host_store
+from phalanx.runtime.storeserver import ThreadedStore
+from tests.stores import SECRET, hosted
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,10 @@ def gloo() -> dist.ProcessGroupGloo:
 
 
 @pytest.fixture(scope="module")
-def store() -> Iterator[dist.TCPStore]:
-    yield host_store()
+def store() -> Iterator[ThreadedStore]:
+    s = hosted(SECRET)
+    yield s
+    s.close()
 
 
 def parked(backend: Any, generation: int = 4, rank: int = 3, world_size: int = 6) -> Parked:
@@ -157,19 +160,20 @@ def test_release_aborts_what_it_cannot_park(gloo: dist.ProcessGroupGloo) -> None
     req.release()
 
 
-def _plan(store: dist.TCPStore, generation: int, workers: list[str], shrunk: list[int]) -> Plan:
+def _plan(store: ThreadedStore, generation: int, workers: list[str], shrunk: list[int]) -> Plan:
     return Plan(
         job="j1",
         generation=generation,
         members=[Member(worker=w, rank=r) for r, w in enumerate(workers)],
         reason="test",
         store_prefix=f"test-nccl-shrink/j1/gen{generation}",
+        store_secret=SECRET,
         store_addr=f"127.0.0.1:{store.port}",
         shrunk=shrunk,
     )
 
 
-def test_cpu_path_unchanged_by_a_plan_that_names_shrunk(store: dist.TCPStore) -> None:
+def test_cpu_path_unchanged_by_a_plan_that_names_shrunk(store: ThreadedStore) -> None:
     """On gloo a shrink plan is an ordinary generation: no vote, nothing parked,
     the survivors' group works (3 ranks, then rank 1 left out)."""
     first = _plan(store, 1, ["w0", "w1", "w2"], [])

@@ -124,7 +124,12 @@ def test_a_delta_that_puts_two_workers_on_one_rank_is_not_applied() -> None:
 
 @pytest.mark.parametrize(
     "field",
-    [{"moves": [(0, 0, 1)]}, {"moves": [(-1, 1, 0)]}, {"joined": [("w", 0, 0, 1)]}, {"joined": [("w", -1, 2, 0)]}],
+    [
+        {"moves": [(0, 0, 1)]},
+        {"moves": [(-1, 1, 0)]},
+        {"joined": [("w", 0, 0, 1)]},
+        {"joined": [("w", -1, 2, 0)]},
+    ],
 )
 def test_a_malformed_run_is_refused_on_decode(field: dict[str, object]) -> None:
     nodes = _names(1, 2)

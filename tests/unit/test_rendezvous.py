@@ -24,20 +24,31 @@ from phalanx.runtime.comm import (
     Group,
     Superseded,
     arrival_barrier,
-    connect_store,
     generation_store,
 )
+from phalanx.runtime.comm import connect_store as connect_unproved
 from phalanx.runtime.rendezvous import SpreadStore, Waiters
-from phalanx.runtime.store import host_store
+from phalanx.runtime.storeclient import StoreClient
+from phalanx.runtime.storeserver import ThreadedStore
+from tests.stores import hosted, member
 from tests.unit.test_comm import JOIN_S, run_ranks
+
+ROOT = "test-rdv"  # the secret the raw clients prove: keys under test-rdv/ are theirs
 
 _prefixes = itertools.count()
 BIG = rendezvous.COUNTED_FROM  # the smallest world that takes the counted path
 
 
 @pytest.fixture(scope="module")
-def store() -> Iterator[dist.TCPStore]:
-    yield host_store()
+def store() -> Iterator[ThreadedStore]:
+    s = hosted(ROOT, "rdv-s3cret")
+    yield s
+    s.close()
+
+
+def connect_store(addr: str) -> StoreClient:
+    """A client with this module's keys (``test-rdv/...``)."""
+    return member(addr, ROOT)
 
 
 @pytest.fixture
@@ -49,19 +60,20 @@ def _addr(store: Any) -> str:
     return f"127.0.0.1:{store.port}"
 
 
-def _pooled(addr: str, secret: str = "") -> tuple[Waiters, Any]:
-    """A waiter pool of ``addr`` and the ``waiter`` callable arrival_barrier takes."""
-    waiters = Waiters(lambda: connect_store(addr))
+def _pooled(addr: str, secret: str | None = None) -> tuple[Waiters, Any]:
+    """A waiter pool of ``addr`` and the ``waiter`` callable arrival_barrier takes: its
+    clients under ``secret`` (generation_store), or raw ones of this module's keys."""
+    waiters = Waiters(lambda: connect_unproved(addr) if secret else connect_store(addr))
 
     def waiter() -> tuple[dist.Store, Any]:
         client = waiters.take()
-        return generation_store(client, secret), lambda: waiters.give(client)
+        return (generation_store(client, secret) if secret else client), lambda: waiters.give(client)
 
     return waiters, waiter
 
 
 @pytest.mark.parametrize("n", [3, BIG])  # polled, counted
-def test_every_member_returns_once_all_arrived(store: dist.TCPStore, prefix: str, n: int) -> None:
+def test_every_member_returns_once_all_arrived(store: ThreadedStore, prefix: str, n: int) -> None:
     def rank(r: int) -> bool:
         _, waiter = _pooled(_addr(store))
         arrival_barrier(connect_store(_addr(store)), prefix, r, n, lambda: False, JOIN_S, waiter)
@@ -69,11 +81,12 @@ def test_every_member_returns_once_all_arrived(store: dist.TCPStore, prefix: str
 
     assert run_ranks(n, rank) == [True] * n
     if n >= BIG:
-        assert store.add(f"{prefix}/arrived/count", 0) == n
-        assert store.check([f"{prefix}/arrived/done"])
+        client = connect_store(_addr(store))
+        assert client.add(f"{prefix}/arrived/count", 0) == n
+        assert client.check([f"{prefix}/arrived/done"])
 
 
-def test_a_missing_member_times_out_naming_it_alone(store: dist.TCPStore, prefix: str) -> None:
+def test_a_missing_member_times_out_naming_it_alone(store: ThreadedStore, prefix: str) -> None:
     absent = 7
     members = [r for r in range(BIG) if r != absent]
     clients = {r: connect_store(_addr(store)) for r in members}  # connected first: only the wait is timed
@@ -91,17 +104,18 @@ def test_a_missing_member_times_out_naming_it_alone(store: dist.TCPStore, prefix
         assert f"timed out waiting for ['{prefix}/arrived/{absent}']" in str(error), error
 
 
-def test_missing_bisects_to_exactly_the_absent_keys(store: dist.TCPStore, prefix: str) -> None:
+def test_missing_bisects_to_exactly_the_absent_keys(store: ThreadedStore, prefix: str) -> None:
     keys = rendezvous.arrival_keys(prefix, 40)
+    client = connect_store(_addr(store))
     for i, key in enumerate(keys):
         if i not in (0, 17, 39):
-            store.set(key, "1")
-    assert rendezvous.missing(store, keys) == [keys[0], keys[17], keys[39]]
-    assert rendezvous.missing(store, keys[1:17]) == []
+            client.set(key, "1")
+    assert rendezvous.missing(client, keys) == [keys[0], keys[17], keys[39]]
+    assert rendezvous.missing(client, keys[1:17]) == []
 
 
 def test_a_newer_plan_ends_the_wait_and_the_pool_recovers_its_client(
-    store: dist.TCPStore, prefix: str
+    store: ThreadedStore, prefix: str
 ) -> None:
     """cancelled() is asked while the store's wait runs in the helper; Superseded ends
     it, and the next generation on the same pool gets a working client at once."""
@@ -117,7 +131,7 @@ def test_a_newer_plan_ends_the_wait_and_the_pool_recovers_its_client(
     with pytest.raises(Superseded, match=prefix):
         arrival_barrier(client, prefix, 0, BIG, cancelled, JOIN_S, waiter)
     assert calls == 3
-    assert store.check([f"{prefix}/arrived/0"]) and store.add(f"{prefix}/arrived/count", 0) == 1
+    assert client.check([f"{prefix}/arrived/0"]) and client.add(f"{prefix}/arrived/count", 0) == 1
     nxt = f"{prefix}-next"  # the abandoned wait still holds its client: the pool makes another
 
     def rank(r: int) -> bool:
@@ -142,6 +156,9 @@ def _store_process() -> tuple[subprocess.Popen[bytes], str]:
     )
     sock.close()
     assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready ")
+    assert proc.stdin is not None
+    proc.stdin.write(f"allow {ROOT}\n".encode())  # what the launcher writes for each plan
+    proc.stdin.flush()
     return proc, f"127.0.0.1:{port}"
 
 
@@ -173,7 +190,7 @@ def test_a_store_that_dies_during_the_wait_is_a_comm_error(prefix: str, n: int) 
         proc.wait()
 
 
-def test_every_key_of_the_counted_arrival_lives_under_the_secret(store: dist.TCPStore, prefix: str) -> None:
+def test_every_key_of_the_counted_arrival_lives_under_the_secret(store: ThreadedStore, prefix: str) -> None:
     secret = "rdv-s3cret"
 
     def rank(r: int) -> bool:
@@ -183,24 +200,24 @@ def test_every_key_of_the_counted_arrival_lives_under_the_secret(store: dist.TCP
         return True
 
     assert run_ranks(BIG, rank) == [True] * BIG
-    raw = connect_store(_addr(store))
+    held, outside = set(store.keys(secret)), set(store.keys(ROOT))
     for key in ("arrived/count", "arrived/done", "arrived/0", f"arrived/{BIG - 1}"):
-        assert raw.check([f"{secret}/{prefix}/{key}"]), key
-        assert not raw.check([f"{prefix}/{key}"]), key
+        assert f"{prefix}/{key}" in held, key
+        assert f"{prefix}/{key}" not in outside, key
 
 
 def test_keys_spread_over_stores_carry_the_secret_and_serve_real_gloo() -> None:
     """gloo (eager and lazy) bootstraps through PrefixStore -> the secret -> a
     SpreadStore over two stores; each store holds some of the keys, all under the secret."""
-    stores = [host_store(), host_store()]
-    addrs = [_addr(s) for s in stores]
     secret = "spread-s3cret"
+    stores = [hosted(secret), hosted(secret)]
+    addrs = [_addr(s) for s in stores]
     n = 4
     for lazy in (False, True):
         pre = f"test-spread/lazy{int(lazy)}"  # fixed: these names route to both stores, each run
 
         def rank(r: int, pre: str = pre, lazy: bool = lazy) -> float:
-            keys = SpreadStore(addrs, lambda a: connect_store(a))  # held: torch keeps only its C++ half
+            keys = SpreadStore(addrs, connect_unproved)  # held: torch keeps only its C++ half
             spread = generation_store(keys, secret)
             opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=lazy)]  # type: ignore[attr-defined]
@@ -212,9 +229,9 @@ def test_keys_spread_over_stores_carry_the_secret_and_serve_real_gloo() -> None:
             return float(t[0])
 
         assert run_ranks(n, rank) == [10.0] * n
-        held = [[k for k in s.list_keys() if pre in k] for s in stores]  # torch 2.13 lists keys
+        held = [[k for k in s.keys(secret) if pre in k] for s in stores]
         assert all(held), held  # both stores hold some of gloo's keys (blake2b of their names)
-        assert all(k.startswith(f"{secret}/{pre}/pg/") for k in itertools.chain(*held)), held
+        assert all(k.startswith(f"{pre}/pg/") for k in itertools.chain(*held)), held
         assert len(set(itertools.chain(*held))) == sum(map(len, held)), held  # each on one store only
 
 
@@ -235,7 +252,7 @@ def test_plan_stores_spreads_only_large_worlds_root_first_bounded() -> None:
 
 
 def test_a_large_world_gets_lazy_gloo_pairs_that_still_reduce_and_cascade(
-    store: dist.TCPStore, prefix: str, monkeypatch: pytest.MonkeyPatch
+    store: ThreadedStore, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """From LAZY_FROM ranks the runtime's Group connects pairs on first use (lowered
     here to 3 ranks): all-reduce, barrier and send/recv work, and a destroyed member

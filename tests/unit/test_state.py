@@ -1,6 +1,6 @@
 """State packing and transfer (phalanx.runtime.state): pack/unpack round trips, a
 model+AdamW hand-over, the CRC check, send_state/recv_state over a real 2-rank
-gloo communicator (ranks as threads over a loopback TCPStore), and refusal of
+gloo communicator (ranks as threads over a loopback store), and refusal of
 malformed metadata and headers before anything they size is allocated; the host
 flag of each tensor, both checksum kinds (CRC32 and the device-side WSUM31, both
 testable on the CPU), and (skipped without GPUs) packing on CUDA and transfer over
@@ -19,15 +19,15 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from phalanx.checkpoint import packing
 from phalanx.checkpoint.packing import StateTransferError, checksum, pack, unpack
 from phalanx.runtime import state as state_mod
-from phalanx.runtime.comm import Group, arrival_barrier, connect_store
+from phalanx.runtime.comm import Group, arrival_barrier
 from phalanx.runtime.state import recv_state, send_state
-from phalanx.runtime.store import host_store
+from phalanx.runtime.storeserver import ThreadedStore
+from tests.stores import hosted, member
 
 JOIN_S = 60.0
 _prefixes = itertools.count()
@@ -198,18 +198,20 @@ def test_model_and_adamw_hand_over_bitwise() -> None:
 
 
 @pytest.fixture(scope="module")
-def store() -> Iterator[dist.TCPStore]:
-    yield host_store()
+def store() -> Iterator[ThreadedStore]:
+    s = hosted("test-state", "test-state-nccl")
+    yield s
+    s.close()
 
 
-def run_pair(store: dist.TCPStore, fn: Callable[[Group], Any]) -> list[Any]:
+def run_pair(store: ThreadedStore, fn: Callable[[Group], Any]) -> list[Any]:
     """Build a fresh 2-rank communicator (each rank its own store client) and run ``fn`` per rank."""
     prefix = f"test-state/{next(_prefixes)}"
     results: list[Any] = [None, None]
 
     def body(r: int) -> None:
         try:
-            client = connect_store(f"127.0.0.1:{store.port}")
+            client = member(store, "test-state")
             arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
             comm = Group(client, prefix, r, 2, timeout_s=JOIN_S)
             try:
@@ -228,7 +230,7 @@ def run_pair(store: dist.TCPStore, fn: Callable[[Group], Any]) -> list[Any]:
     return results
 
 
-def test_send_recv_state_round_trip(store: dist.TCPStore) -> None:
+def test_send_recv_state_round_trip(store: ThreadedStore) -> None:
     sent = nested_state()
     meta, buf = pack(sent)
 
@@ -245,7 +247,7 @@ def test_send_recv_state_round_trip(store: dist.TCPStore) -> None:
     assert_same(got, sent)
 
 
-def test_send_recv_state_without_tensors(store: dist.TCPStore) -> None:
+def test_send_recv_state_without_tensors(store: ThreadedStore) -> None:
     sent = {"step": 5, "data": {"epoch": 0}}
     meta, buf = pack(sent)
 
@@ -258,7 +260,7 @@ def test_send_recv_state_without_tensors(store: dist.TCPStore) -> None:
     assert res == [None, (sent, 0)]
 
 
-def test_recv_state_rejects_a_wrong_crc_in_the_header(store: dist.TCPStore) -> None:
+def test_recv_state_rejects_a_wrong_crc_in_the_header(store: ThreadedStore) -> None:
     meta, buf = pack(nested_state())
     bad_crc = checksum(buf) ^ 0x10
 
@@ -273,7 +275,7 @@ def test_recv_state_rejects_a_wrong_crc_in_the_header(store: dist.TCPStore) -> N
     assert "checksum mismatch from rank 0" in str(res[1])
 
 
-def test_recv_state_rejects_a_corrupted_payload(store: dist.TCPStore) -> None:
+def test_recv_state_rejects_a_corrupted_payload(store: ThreadedStore) -> None:
     """Header and meta are right; one byte of the buffer flips on the wire."""
     meta, buf = pack(nested_state())
     crc = checksum(buf)
@@ -658,7 +660,7 @@ def test_recv_state_refuses_corrupted_metadata(allocations: list[int]) -> None:
 # -- malformed input over a real gloo communicator -----------------------------------------------
 
 
-def test_send_recv_trainer_state_over_gloo(store: dist.TCPStore) -> None:
+def test_send_recv_trainer_state_over_gloo(store: ThreadedStore) -> None:
     sent = trainer_state()
     meta, buf = pack(sent)
 
@@ -678,7 +680,7 @@ def test_send_recv_trainer_state_over_gloo(store: dist.TCPStore) -> None:
     "kw", [{"buf_len": 1 << 62}, {"buf_len": -16}, {"meta_len": 1 << 40}, {"magic": b"\x80\x05\x95\x00"}]
 )
 def test_recv_state_over_gloo_refuses_a_malformed_header_before_allocating(
-    store: dist.TCPStore, kw: dict[str, Any], allocations: list[int]
+    store: ThreadedStore, kw: dict[str, Any], allocations: list[int]
 ) -> None:
     received: list[int] = []
 
@@ -704,7 +706,7 @@ def test_recv_state_over_gloo_refuses_a_malformed_header_before_allocating(
     assert max(allocations, default=0) < 1 << 20, allocations
 
 
-def test_recv_state_over_gloo_refuses_a_pickle_payload(store: dist.TCPStore) -> None:
+def test_recv_state_over_gloo_refuses_a_pickle_payload(store: ThreadedStore) -> None:
     """Header and CRC are right, but the metadata is a pickle: refused, never loaded, and
     the buffer it announces is never received."""
     evil = pickle.dumps((None, [], 16))
@@ -831,7 +833,7 @@ def test_header_flags_name_the_checksum_kind() -> None:
 
 
 @pytest.mark.parametrize("kind", ["crc32", "wsum31"])
-def test_send_recv_state_with_either_checksum_over_gloo(store: dist.TCPStore, kind: str) -> None:
+def test_send_recv_state_with_either_checksum_over_gloo(store: ThreadedStore, kind: str) -> None:
     sent = trainer_state()
     meta, buf = pack(sent)
 
@@ -847,7 +849,7 @@ def test_send_recv_state_with_either_checksum_over_gloo(store: dist.TCPStore, ki
     assert_identical(got, sent)
 
 
-def test_recv_state_verifies_with_the_kind_the_header_names(store: dist.TCPStore) -> None:
+def test_recv_state_verifies_with_the_kind_the_header_names(store: ThreadedStore) -> None:
     """A WSUM31 checksum sent as if it were a CRC32 (flags 0) is refused: the
     receiver verifies with the kind the header names, not the one it would pick."""
     meta, buf = pack(nested_state())
@@ -921,7 +923,7 @@ def test_pack_on_cuda_keeps_device_types_bitwise() -> None:
 
 
 @needs_2_gpus
-def test_send_recv_state_over_nccl(store: dist.TCPStore) -> None:
+def test_send_recv_state_over_nccl(store: ThreadedStore) -> None:
     sent = cuda_state(torch.device("cuda", 0))
     prefix = f"test-state-nccl/{next(_prefixes)}"
     results: list[Any] = [None, None]
@@ -930,7 +932,7 @@ def test_send_recv_state_over_nccl(store: dist.TCPStore) -> None:
         try:
             torch.cuda.set_device(r)
             dev = torch.device("cuda", r)
-            client = connect_store(f"127.0.0.1:{store.port}")
+            client = member(store, "test-state-nccl")
             arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
             comm = Group(client, prefix, r, 2, timeout_s=JOIN_S, device=dev)
             try:

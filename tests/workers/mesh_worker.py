@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 from phalanx.contract import Member, Plan
-from phalanx.runtime.comm import CommError, Communicator, connect_store
+from phalanx.runtime.comm import CommError, Communicator, connect_store, generation_store
 from phalanx.runtime.mesh import Mesh
 
 SHAPE, NAMES = (2, 2), ("replicate", "shard")
@@ -62,6 +62,7 @@ def plan(args: argparse.Namespace, generation: int) -> Plan:
         members=[Member(worker=f"w{r}", rank=r) for r in range(args.world)],
         reason="test",
         store_prefix=f"{args.prefix}/gen{generation}",
+        store_secret=args.prefix,  # the test hosts its store with this one secret
         store_addr=args.store,
     )
 
@@ -85,7 +86,7 @@ def main() -> int:
     if args.mode == "ref":
         store = connect_store(args.store)
         dist.init_process_group(
-            "gloo", store=dist.PrefixStore(args.prefix, store), rank=args.rank, world_size=4
+            "gloo", store=generation_store(store, args.prefix), rank=args.rank, world_size=4
         )
         from torch.distributed.device_mesh import init_device_mesh
 

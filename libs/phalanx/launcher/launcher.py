@@ -400,6 +400,8 @@ class Launcher:
     def _apply_plan(self, plan: NodePlan, by_message: bool = False) -> None:
         if not self.run or plan.launch != self.run:
             return
+        if self.store is not None:
+            self.store.allow(plan.store_secret)  # before any rank of this node hears of the plan
         if by_message and self.handout is not None and self.plan is not None:
             self.handout.hand_out(plan, self._worker_names(), resend=True)  # acknowledge again
         if not plan.supersedes(self.plan):

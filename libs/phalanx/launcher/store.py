@@ -9,6 +9,9 @@ into the join before anything else), and hands it to one child process,
 - started at once, so that its torch import overlaps the join;
 - ready when it says so (a ``ready <port>`` line on its stdout), never slept on: the
   launcher starts no worker before;
+- told each generation it serves (:meth:`StoreProcess.allow`: a line on its stdin,
+  written before the plan is handed to a rank): the store serves no client that cannot
+  prove the generation's secret (:mod:`phalanx.runtime.storeserver`);
 - it ends when the launcher closes its stdin (or dies: ``PR_SET_PDEATHSIG`` and end
   of file both); any other end is a death, reported (:attr:`StoreProcess.on_exit`).
 """
@@ -92,6 +95,16 @@ class StoreProcess:
         self._ready = True
         self.log.info("store_ready", pid=proc.pid, port=self.port)
         self._watch = asyncio.create_task(self._watch_exit(proc), name="store-watch")
+
+    def allow(self, secret: str) -> None:
+        """Serve the generation of ``secret`` from now on (a line on the store's stdin;
+        the pipe's buffer takes it at once, and a proof arriving first waits for it)."""
+        proc = self.proc
+        if not secret or proc is None or proc.stdin is None or proc.stdin.is_closing():
+            return
+        if not secret.replace("-", "").replace("_", "").isalnum() or len(secret) > 64:
+            raise ValueError("a store secret is up to 64 of [A-Za-z0-9_-]")
+        proc.stdin.write(f"allow {secret}\n".encode())
 
     async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
         rc = await proc.wait()

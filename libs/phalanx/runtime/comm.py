@@ -19,20 +19,16 @@ training rank, which could die with it). Each generation gets its own
 never confuse a new one, and a standalone ``ProcessGroupGloo`` wrapped in a
 ``ProcessGroup`` -- no default group, no ``init_process_group``.
 
-The store has no authentication (torch's ``TCPStore`` protocol has none), and
-whoever reaches its port may connect. What keeps a non-member out of a
-generation is :func:`generation_store`: every key of the generation (arrivals,
-gloo's and NCCL's bootstrap addresses and ids) lives under the plan's
-``store_secret``, which only the job's users and the services can read (the
-job's KV record and plan subject, :mod:`phalanx.natsauth`), so a client that
-guesses key names with the address and the ``store_prefix`` finds nothing. That
-is all it does: torch 2.13's ``TCPStore`` answers ``list_keys()`` (checked: a
-client with only host:port lists ``<secret>/j/gen1/arrived/0``), so anyone who
-reaches the port can learn the secret and then read or plant a generation's keys
-(a forged arrival, a forged peer address), as well as fill the store or flood it
-with connections. Keep the store port on the job's own network. The secret stays out of logs and error
-messages: those name ``store_prefix``, and a key torch names in an error is
-shown from its prefix on (``<secret>/j1/gen2/pg/0``).
+The store is Phalanx's own (:mod:`phalanx.runtime.storeserver`), with torch's
+``TCPStore`` semantics and an authenticated wire: a client reaches a generation's keys
+only after proving the plan's ``store_secret`` (which only the job's users and the
+services read: the job's KV record and plan subject, :mod:`phalanx.natsauth`), and the
+secret never crosses the wire (:mod:`phalanx.runtime.storewire`). A non-member with the
+store's address can neither read, write, delete nor list a generation's keys; its
+connections and failed proofs are bounded by the store. :func:`generation_store`
+proves the secret and puts every key of the generation under it. The secret stays
+out of logs and error messages: those name ``store_prefix``, and a key named in an
+error is shown from its prefix on (``<secret>/j1/gen2/pg/0``).
 
 Devices (:func:`backend_for` is the one place that picks a backend): gloo is
 always registered, for CPU tensors (step counters, the state header and
@@ -133,6 +129,7 @@ from phalanx.runtime.rendezvous import (
     lazy_gloo,
     plan_stores,
 )
+from phalanx.runtime.storeclient import StoreClient
 from phalanx.telemetry import get_logger
 from phalanx.worker.addr import split_addr
 from phalanx.worker.sever import SocketSet
@@ -156,10 +153,10 @@ class Superseded(Exception):
     """A newer plan arrived while waiting for this generation's members."""
 
 
-def connect_store(addr: str, timeout_s: float = 30.0) -> dist.TCPStore:
-    """A client of a store at ``host:port``."""
-    host, port = split_addr(addr)
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
+def connect_store(addr: str, timeout_s: float = 30.0) -> StoreClient:
+    """A client of the store at ``host:port`` (it reaches no key before
+    :func:`generation_store` proved a generation)."""
+    return StoreClient(addr, timedelta(seconds=timeout_s))
 
 
 def _endpoints(addr: str) -> frozenset[tuple[str, int]]:
@@ -173,13 +170,21 @@ def _endpoints(addr: str) -> frozenset[tuple[str, int]]:
 
 
 def generation_store(store: dist.Store, secret: str) -> dist.Store:
-    """The keys of one generation: ``store`` under the plan's ``store_secret``.
+    """The keys of one generation: ``store`` (a client, or several clients' spread)
+    having proved the plan's ``store_secret``, with every key under it.
 
-    Every member wraps the launcher's store the same way, so they meet; a client
-    without the secret finds nothing there. An empty secret (a plan of a planner
-    from before it) leaves the keys under ``store_prefix`` alone, as they were.
+    Every member wraps its client the same way, so they meet; the store serves no
+    client that cannot prove the secret. ``DistStoreError`` when the store refuses
+    the proof (it does not serve the generation), ``ValueError`` for an empty secret
+    (a plan of a planner from before secrets: its members cannot meet here).
     """
-    return dist.PrefixStore(secret, store) if secret else store
+    if not secret:
+        raise ValueError("the plan carries no store secret (a planner older than the authenticated store)")
+    prove = getattr(store, "prove", None)  # StoreClient's and SpreadStore's
+    if prove is None:
+        raise TypeError(f"a generation's keys live on Phalanx's store, not on {type(store).__name__}")
+    prove(secret)
+    return dist.PrefixStore(secret, store)
 
 
 def _scrubbed(error: BaseException, prefix: str) -> str:

@@ -301,6 +301,7 @@ class SpreadStore(dist.Store):
         self._clients: dict[int, dist.Store] = {}
         self._lock = threading.Lock()
         self._timeout = timeout
+        self._secrets: list[str] = []  # proved to each store as it is connected
 
     def _at(self, key: str) -> dist.Store:
         i = route(key, len(self.addrs))
@@ -309,10 +310,25 @@ class SpreadStore(dist.Store):
             with self._lock:
                 client = self._clients.get(i)
                 if client is None:
-                    client = self._connect(self.addrs[i])
-                    if self._timeout is not None:
-                        client.set_timeout(self._timeout)
-                    self._clients[i] = client
+                    client = self._clients[i] = self._connected(self.addrs[i])
+        return client
+
+    def prove(self, secret: str) -> None:
+        """Prove a generation's secret to every store (:meth:`StoreClient.prove
+        <phalanx.runtime.storeclient.StoreClient.prove>`): those connected now, and each
+        one connected later."""
+        with self._lock:
+            self._secrets.append(secret)
+            clients = list(self._clients.values())
+        for client in clients:
+            client.prove(secret)  # type: ignore[attr-defined]
+
+    def _connected(self, addr: str) -> dist.Store:
+        client = self._connect(addr)
+        if self._timeout is not None:
+            client.set_timeout(self._timeout)
+        for secret in self._secrets:
+            client.prove(secret)  # type: ignore[attr-defined]
         return client
 
     def set(self, key: str, value: str | bytes) -> None:
@@ -340,15 +356,15 @@ class SpreadStore(dist.Store):
             else:
                 self._at(key).wait([key], timeout)
 
-    def num_keys(self) -> int:
-        return sum(self._at_index(i).num_keys() for i in range(len(self.addrs)))
+    def connect_all(self) -> None:
+        """Connect to every store now (a rank's earlier generations would have)."""
+        for i in range(len(self.addrs)):
+            self._at_index(i)
 
     def _at_index(self, i: int) -> dist.Store:
         with self._lock:
             if i not in self._clients:
-                client = self._clients[i] = self._connect(self.addrs[i])
-                if self._timeout is not None:
-                    client.set_timeout(self._timeout)
+                self._clients[i] = self._connected(self.addrs[i])
             return self._clients[i]
 
     def set_timeout(self, timeout: timedelta) -> None:

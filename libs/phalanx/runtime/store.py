@@ -1,62 +1,69 @@
 """The job's rendezvous store, hosted in a process of its own that the node's launcher starts.
 
-``python -m phalanx.runtime.store --fd N --host H``: a ``TCPStore``
-(:func:`host_store`) serving on the listening socket the launcher bound on ``H``
-and handed down as descriptor ``N``. The launcher imports no torch (it must start
-in milliseconds, beside the ranks); the store does, so it lives here, one per job
-on each node, started once and outliving every rank. This module imports
-``torch.distributed`` and nothing else of torch or of phalanx's bus side, so the
-process is ready as soon as torch is imported.
+``python -m phalanx.runtime.store --fd N --host H``: a
+:class:`~phalanx.runtime.storeserver.StoreServer` serving on the listening socket the
+launcher bound on ``H`` and handed down as descriptor ``N``. Neither the launcher nor
+this process imports torch (the launcher must start in milliseconds beside the ranks;
+this one is ready as soon as Python is).
 
 What the launcher relies on (:mod:`phalanx.launcher.store`):
 
 - one line ``ready <port>`` on stdout once the store serves (not before: the
   launcher waits for it, never sleeps on it);
+- each line ``allow <secret>`` on its stdin adds a generation the store serves (the
+  launcher writes one for every plan it applies, before the plan reaches a rank);
 - it serves until its stdin reaches end of file -- the launcher closed it, or
   died (it is also SIGKILLed when the launcher dies, ``PR_SET_PDEATHSIG``) --
   then exits 0; any other exit is a death the launcher reports;
 - Ctrl-C in the terminal (SIGINT to the whole process group) is the launcher's
   to act on: the store keeps serving while the launcher stops the ranks.
 
-Ranks connect with :func:`phalanx.runtime.comm.connect_store`.
+Ranks connect with :func:`phalanx.runtime.comm.connect_store`; a rank that hosts a
+store for the script it runs uses :func:`host_store`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import socket
 import sys
 
-import torch.distributed as dist
-
+from phalanx.runtime.storeserver import StoreServer, ThreadedStore
 from phalanx.worker.addr import listen_socket
 
 READY = "ready"
+ALLOW = "allow"
+MAX_LINE = 4096
 
 
-def host_store(host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None) -> dist.TCPStore:
-    """Host a store listening on ``host`` only (``store.port``).
-
-    ``TCPStore(is_master=True)`` alone listens on every interface whatever ``host``
-    says; handing it a socket already bound to ``host`` (``sock``, or one made
-    here) keeps it on the interface the node is reached by.
-    """
+def host_store(
+    host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None, secrets: tuple[str, ...] = ()
+) -> ThreadedStore:
+    """Host a store in this process, on a thread of its own, listening on ``host`` only
+    (``store.port``) and serving the generations of ``secrets`` (more with ``allow``)."""
     sock = sock or listen_socket(host, port)
     try:
-        store = dist.TCPStore(
-            host,
-            int(sock.getsockname()[1]),
-            is_master=True,
-            wait_for_workers=False,
-            use_libuv=True,
-            master_listen_fd=sock.fileno(),
-        )
+        return ThreadedStore(sock, secrets)
     except BaseException:
         sock.close()
         raise
-    sock.detach()  # the store serves on this fd from now on: Python must not close it
-    return store
+
+
+async def serve(sock: socket.socket) -> int:
+    server = StoreServer()
+    await server.start(sock)
+    print(f"{READY} {sock.getsockname()[1]}", flush=True)
+    loop = asyncio.get_running_loop()
+    stdin = asyncio.StreamReader(limit=MAX_LINE)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+    while line := await stdin.readline():
+        word, _, secret = line.decode(errors="replace").strip().partition(" ")
+        if word == ALLOW and secret:
+            server.allow(secret)
+    await server.close()
+    return 0  # end of file: the launcher is done with the store
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,11 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", required=True, help="the address the socket is bound to")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    store = host_store(args.host, sock=socket.socket(fileno=args.fd))
-    print(f"{READY} {store.port}", flush=True)
-    while sys.stdin.buffer.read(4096):
-        pass  # the launcher writes nothing: end of file is the one message
-    return 0
+    return asyncio.run(serve(socket.socket(fileno=args.fd)))
 
 
 if __name__ == "__main__":

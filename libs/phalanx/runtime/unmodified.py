@@ -17,10 +17,13 @@ warm by the node's fork server, :mod:`phalanx.runtime.zygote`, or cold as
   ``MASTER_PORT``, ``TORCHELASTIC_*``;
 - ``MASTER_ADDR:MASTER_PORT`` is a store made for this generation alone
   (:func:`master_store`): rank 0 hosts it in its process and posts its address in
-  the job's store under the generation's secret prefix; the other members read it
-  there. ``TORCHELASTIC_USE_AGENT_STORE=True``, so ``init_process_group("env://")``
-  connects every rank as a client of it, and no key of an earlier generation (a
-  gloo peer address of a dead process) is ever read;
+  the job's store under the generation's secret; the other members read it
+  there. It is Phalanx's store (:mod:`phalanx.runtime.storeserver`), which serves
+  only clients that prove the generation's secret, so ``init_process_group``'s
+  ``env://`` rendezvous is Phalanx's in this process (:func:`member_rendezvous`):
+  every rank a proved client of it, and no key of an earlier generation (a gloo
+  peer address of a dead process) is ever read. A script that builds its own
+  ``TCPStore`` on ``MASTER_PORT``, or names ``tcp://`` itself, does not reach it;
 - then it runs the script as ``__main__`` (:func:`phalanx.worker.pycommand.run_target`).
 
 On a change of members the launcher ends every member (SIGTERM, SIGKILL after a
@@ -34,15 +37,18 @@ its launcher ends the job with the error instead of restarting it in a loop.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlparse
 
 import torch
 import torch.distributed as dist
@@ -51,6 +57,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from phalanx.contract import NodePlan, Phase, Role
 from phalanx.runtime.comm import connect_store, generation_store
 from phalanx.runtime.store import host_store
+from phalanx.runtime.storeclient import StoreClient
+from phalanx.runtime.storeserver import ThreadedStore
 from phalanx.settings import RankSettings, load_or_exit
 from phalanx.telemetry import get_logger, setup_logging
 from phalanx.worker.addr import interface_of, split_addr
@@ -69,7 +77,7 @@ Python loops) may hold the GIL for hundreds of milliseconds, which must not read
 hang. A crash is still reported at once (its launcher sees the exit); a stopped
 process is declared hung after a few seconds of silence."""
 
-_hosted: list[dist.TCPStore] = []  # rank 0's generation store: it lives as long as the process
+_hosted: list[ThreadedStore] = []  # rank 0's generation store: it lives as long as the process
 
 
 def torchrun_env(
@@ -122,12 +130,43 @@ def master_store(plan: NodePlan, rank: int, bind: str, timeout_s: float) -> str:
     job_store = generation_store(connect_store(plan.store_addr, timeout_s), plan.store_secret)
     key = f"{plan.store_prefix}/{MASTER_KEY}"
     if rank == 0:
-        store = host_store(bind)
+        store = host_store(bind, secrets=(plan.store_secret,))
         _hosted.append(store)
         addr = f"[{bind}]:{store.port}" if ":" in bind else f"{bind}:{store.port}"
         job_store.set(key, addr)
         return addr
     return job_store.get(key).decode()
+
+
+def member_rendezvous(secret: str) -> Callable[..., Iterator[tuple[dist.Store, int, int]]]:
+    """torch's ``env://`` rendezvous handler, for a member of the generation of ``secret``:
+    ``MASTER_ADDR:MASTER_PORT`` is the generation's store (:func:`master_store`), which
+    a client reaches only by proving the secret; rank and world size as torch reads
+    them (the URL's query, else ``RANK`` and ``WORLD_SIZE``)."""
+
+    def handler(
+        url: str, timeout: timedelta = timedelta(minutes=30), **kwargs: Any
+    ) -> Iterator[tuple[dist.Store, int, int]]:
+        query = dict(parse_qsl(urlparse(url).query))
+        rank = int(query.get("rank", os.environ["RANK"]))
+        world_size = int(query.get("world_size", os.environ["WORLD_SIZE"]))
+        master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        if ":" in os.environ["MASTER_ADDR"]:
+            master = f"[{os.environ['MASTER_ADDR']}]:{os.environ['MASTER_PORT']}"
+        yield generation_store(StoreClient(master, timeout), secret), rank, world_size
+        raise RuntimeError(
+            "env:// rendezvous: a generation's store is made once; Phalanx restarts the script"
+        )
+
+    return handler
+
+
+def use_member_rendezvous(secret: str) -> None:
+    """Make ``init_process_group``'s default (``env://``) rendezvous :func:`member_rendezvous`
+    in this process (torch's handler table: its registration function refuses a scheme
+    twice)."""
+    module = importlib.import_module("torch.distributed.rendezvous")  # the attribute is torch's function
+    module._rendezvous_handlers["env"] = member_rendezvous(secret)
 
 
 class StepCounter:
@@ -211,6 +250,7 @@ def run(target: Target, on_env: Callable[[dict[str, str]], object] | None = None
     )
     if "GLOO_SOCKET_IFNAME" not in os.environ and (iface := interface_of(bind)) is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = iface  # the node's address, not what its hostname resolves to
+    use_member_rendezvous(plan.store_secret)
     if on_env is not None:
         on_env(dict(os.environ))
     status.enter(Phase.RUNNING)
