@@ -69,6 +69,11 @@ class Service:
             },
         )
 
+    def health_http(self) -> tuple[bool, bytes]:
+        """:meth:`health` for ``GET /healthz`` (:class:`~phalanx.metrics.MetricsServer`)."""
+        reply = self.health()
+        return reply.status == "ok", reply.model_dump_json().encode()
+
     async def serve_health(self) -> None:
         async def on_ping(ping: Ping, raw: Msg) -> None:
             await self.bus.reply(raw, self.health())
@@ -91,7 +96,7 @@ async def run_service(
     svc = cls(bus, **kwargs)
     metrics: MetricsServer | None = None
     try:
-        metrics = await serve_metrics(svc.metrics, log)
+        metrics = await serve_metrics(svc.metrics, log, svc.health_http)
     except BaseException:
         await bus.close()
         raise

@@ -157,6 +157,32 @@ async def test_endpoint_serves_and_stops_clean() -> None:
         await asyncio.to_thread(urllib.request.urlopen, url, None, 5)
 
 
+async def test_healthz_says_what_the_health_callable_says() -> None:
+    from phalanx.metrics import MetricsServer
+
+    state = {"ok": True}
+    server = MetricsServer(PlannerMetrics(instance="t").registry, "127.0.0.1", 0,
+                           lambda: (state["ok"], b'{"status": "x"}'))  # fmt: skip
+    url = (await server.start()).replace("/metrics", "/healthz")
+    try:
+        answer = await asyncio.to_thread(urllib.request.urlopen, url, None, 5)
+        assert answer.status == 200 and answer.read() == b'{"status": "x"}'
+        state["ok"] = False
+        with pytest.raises(urllib.error.HTTPError) as err:
+            await asyncio.to_thread(urllib.request.urlopen, url, None, 5)
+        assert err.value.code == 503
+    finally:
+        await server.stop()
+    bare = MetricsServer(PlannerMetrics(instance="t").registry, "127.0.0.1", 0)  # no health: no /healthz
+    url = (await bare.start()).replace("/metrics", "/healthz")
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            await asyncio.to_thread(urllib.request.urlopen, url, None, 5)
+        assert err.value.code == 404
+    finally:
+        await bare.stop()
+
+
 # -- a real stack and job ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
@@ -204,6 +230,14 @@ async def _run_job(stack: LocalStack, job: str, faults: str, log_dir: Path) -> t
         return rc, launcher.metrics_url, samples
     finally:
         await launcher.stop()
+
+
+def test_every_service_answers_healthz_with_its_own_health(stack: LocalStack) -> None:
+    # what compose's health checks ask: each service's event loop, on its metrics port
+    for name, url in asyncio.run(_service_urls(stack)).items():
+        answer = urllib.request.urlopen(url.replace("/metrics", "/healthz"), None, 5)
+        body = json.loads(answer.read())
+        assert answer.status == 200 and body["service"] == name and body["status"] == "ok", body
 
 
 def _wait_for(url: str, ok: object, timeout_s: float = 60.0) -> Samples:

