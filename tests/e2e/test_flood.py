@@ -1,4 +1,5 @@
-"""One rank's credentials flooding the bus while another rank is SIGKILLed.
+"""One rank's credentials flooding the bus, another local user and a network peer
+attacking the node's keepers, while a job starts and a rank of it is SIGKILLed.
 
 The whole stack with NATS authorization on (``LocalStack(auth=True)``, the job's own
 users as in test_auth_stack.py). A separate process logged in as ``rank@flood/w0``
@@ -12,6 +13,15 @@ would keep of it, ``w1`` is killed (SIGKILL, at step 5); the spare
 succeed (its log shows no failed write), and the server's store stays within the
 limits (phalanx.bus.topology): each stream within its ``max_bytes``, each of the
 flooder's subjects within ``max_msgs_per_subject``, the account within its quota.
+
+At the same time (issue 37, items 1, 3 and 4): before the job starts, the flooder asks
+for a thousand durable consumers on the jobs bucket under names of its choosing (none
+is granted, so the job's and the planner's plan watches start); and for the whole
+flood, another uid (tests/workers/keeper_attacker.py) holds a few hundred connections
+to the node keeper's socket, each announcing a 16 MiB request, and keeps silent,
+reconnecting connections from eight loopback addresses on both keepers' peer ports.
+The job checkpoints every 3 steps with one replica: every keeper's heap stays under a
+cap, and the newest checkpoint reaches the peer keeper.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,13 +42,16 @@ import pytest
 from examples.train_gpt import command as train_command
 from phalanx.bus.credentials import ENV_WORKER_CREDENTIALS
 from phalanx.bus.topology import account_max_file, stream_limits
+from phalanx.checkpoint import Checkpointer
 from phalanx.contract import Action
-from phalanx.contract.permissions import inbox_prefix
+from phalanx.contract.permissions import KV_STREAM, WATCH_SLOTS, inbox_prefix
 from phalanx.contract.streams import STREAMS
 from phalanx.devstack.localstack import LocalStack
+from phalanx.devstack.natsserver import free_port
 from phalanx.natsauth import NatsAuth
 from tests.e2e.conftest import SMALL_GPT, STEPS, stack_env
 from tests.e2e.test_recovery import actions
+from tests.procs import NOBODY
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +60,10 @@ JOB = "flood"
 WORKERS = ["w0", "w1", "w2", "w3"]  # 3 ranks and 1 spare on one node
 FLOODER = "w0"
 FLOOD_S = 30.0
+CONSUMERS = 1000  # asked for by the flooder (the server's per-stream limit was reached at 999)
+SOCKET_CONNS = 200  # held on the keeper's socket by another uid (48 once took it to 829 MiB)
+OTHERS_PYTHON = "/usr/bin/python3"  # Debian's: readable by every uid (this venv's may not be)
+KEEPER_HEAP_CAP = 512 << 20  # a keeper's heap (RssAnon), attack or not; 200 x 16 MiB would be 3.2 GiB
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +73,34 @@ def flood_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
         tmp_path_factory.mktemp("floodstack"), services=services, env=stack_env(tmp_path_factory), auth=True
     ) as s:
         yield s
+
+
+class RssPeak(threading.Thread):
+    """The largest anonymous resident memory (``RssAnon``: the heap, where a request read
+    into memory would be; not the checkpoints' shared memory a keeper maps) of each
+    process of ``pids`` (``peak``, and ``growth`` from the start), sampled every 50 ms
+    until ``stop`` is set."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        super().__init__(daemon=True)
+        self.pids, self.stop = pids, threading.Event()
+        self.start_rss = {name: self.rss(pid) for name, pid in pids.items()}
+        self.peak = dict(self.start_rss)
+
+    @staticmethod
+    def rss(pid: int) -> int:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError(f"no RssAnon for {pid}")
+
+    def run(self) -> None:
+        while not self.stop.wait(0.05):
+            for name, pid in self.pids.items():
+                self.peak[name] = max(self.peak[name], self.rss(pid))
+
+    def growth(self) -> dict[str, int]:
+        return {name: self.peak[name] - self.start_rss[name] for name in self.pids}
 
 
 async def _store(url: str, auth: NatsAuth, flooded: list[str]) -> dict[str, object]:
@@ -76,12 +122,13 @@ async def _store(url: str, auth: NatsAuth, flooded: list[str]) -> dict[str, obje
             "counts": counts,
             "used": account.storage,
             "quota": account.limits.max_storage,
+            "watch_consumers": (await js.stream_info(KV_STREAM)).state.consumer_count,
         }
     finally:
         await nc.close()
 
 
-def test_a_flooding_rank_neither_stops_a_recovery_nor_fills_the_store(
+def test_a_flooding_rank_and_keeper_attacks_neither_stop_a_recovery_nor_fill_anything(
     flood_stack: LocalStack, corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     stack = flood_stack
@@ -95,6 +142,14 @@ def test_a_flooding_rank_neither_stops_a_recovery_nor_fills_the_store(
     monkeypatch.setattr(
         stack.users, "env", lambda role: job_env[role] if role in job_env else stack_env_of(role)
     )
+
+    peer_ports = {node: free_port() for node in ("local", "peer")}  # the job's node and its peer
+    keepers = {
+        node: stack.start_keeper(node, {"PHALANX_KEEPER_PORT": str(port), "PHALANX_CKPT_REPLICAS": "1"})
+        for node, port in peer_ports.items()
+    }
+    attacker: subprocess.Popen[bytes] | None = None
+    rss = RssPeak({node: stack.procs[key].pid for node, key in keepers.items()})
 
     perms = auth.credentials("rank", JOB, FLOODER).permissions()
     out = tmp_path / "flood.json"
@@ -111,6 +166,8 @@ def test_a_flooding_rank_neither_stops_a_recovery_nor_fills_the_store(
             json.dumps({"allow": perms.publish_allow, "deny": perms.publish_deny}),
             "--seconds",
             str(FLOOD_S),
+            "--consumers",
+            str(CONSUMERS),
             "--out",
             str(out),
         ],
@@ -126,17 +183,70 @@ def test_a_flooding_rank_neither_stops_a_recovery_nor_fills_the_store(
                 tmp_path / "flooder.log"
             ).read_text()
             time.sleep(0.1)
-        cmd = train_command(STEPS, corpus, *SMALL_GPT)
+        attacker = subprocess.Popen(
+            [
+                OTHERS_PYTHON,  # stdlib only, its source given (another uid reads neither venv nor checkout)
+                "-I",
+                "-c",
+                (ROOT / "tests" / "workers" / "keeper_attacker.py").read_text(),
+                "--socket",
+                str(stack.shm_root / "local" / "keeper.sock"),
+                "--socket-conns",
+                str(SOCKET_CONNS),
+                *(a for port in peer_ports.values() for a in ("--peer", f"127.0.0.1:{port}")),
+                "--seconds",
+                str(FLOOD_S),
+            ],
+            cwd="/",
+            user=NOBODY,
+            group=NOBODY,
+            extra_groups=[],
+            stdout=subprocess.PIPE,
+            stderr=open(tmp_path / "attacker.log", "wb"),
+        )
+        rss.start()
+        cmd = train_command(STEPS, corpus, *SMALL_GPT, "--checkpoint-every", "3")
         handed = {k: v for k, v in auth.launcher_env(JOB).items() if k == ENV_WORKER_CREDENTIALS}
         result = stack.run_job(
             JOB, cmd, nproc=3, spares=1, faults="kill:w1@step=5", global_batch=12, timeout_s=300.0, env=handed
         )
         assert flooder.wait(timeout=FLOOD_S + 120.0) == 0, (tmp_path / "flooder.log").read_text()
+        attacked, _ = attacker.communicate(timeout=FLOOD_S + 60.0)
+        assert attacker.returncode == 0, (tmp_path / "attacker.log").read_text()
+        rss.stop.set()
+        lister = Checkpointer(JOB, node="local", root=stack.shm_root)
+        deadline = time.monotonic() + 60.0
+        while not ((ckpts := lister.list()) and set(ckpts[0].tiers.get("memory", ())) == set(peer_ports)):
+            assert time.monotonic() < deadline, f"the newest checkpoint never reached the peer: {ckpts}"
+            time.sleep(0.2)
     finally:
-        if flooder.poll() is None:
-            flooder.kill()
-            flooder.wait()
+        rss.stop.set()
+        for proc in (flooder, attacker):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for key in keepers.values():
+            stack.procs[key].kill()
+            stack.procs[key].wait()
     report = json.loads(out.read_text())
+    attack = json.loads(attacked)
+
+    growth = rss.growth()
+    print(f"\nkeeper attack: {attack}; keepers' RssAnon growth (MiB): "
+          f"{ {n: round(g / 2**20, 1) for n, g in growth.items()} } (a checkpoint: "
+          f"{ckpts[0].bytes / 2**20:.1f} MiB); consumers asked: {report['consumers']}")  # fmt: skip
+    # No consumer under a name of the flooder's choosing: the job's plan watches started.
+    assert sum(report["consumers"].values()) == CONSUMERS, report["consumers"]
+    assert report["consumers"].get("created", 0) == 0, report["consumers"]
+    # The keepers: every connection on the socket refused or answered (none read), the
+    # peer ports flooded, each keeper's memory bounded, the checkpoints replicated.
+    assert sum(attack["socket"].values()) == SOCKET_CONNS and not attack["socket"].get("silent"), attack
+    assert attack["peers"].get("opened", 0) > 0, attack
+    # Each keeper's heap stays under the cap. (The job's node's keeper grows by tens of
+    # MiB with the job's saves alone, attack or not; 48 of the huge requests once took
+    # it to 829 MiB.)
+    assert all(peak < KEEPER_HEAP_CAP for peak in rss.peak.values()), rss.peak
+    assert ckpts[0].step == STEPS - STEPS % 3, ckpts
 
     # The flood: every subject the user may publish to, far more than the streams keep.
     evt = stream_limits(STREAMS[0])
@@ -169,3 +279,4 @@ def test_a_flooding_rank_neither_stops_a_recovery_nor_fills_the_store(
         cap = per_subject["PHALANX_ERR" if subject.startswith("phalanx.err.") else "PHALANX_EVT"]
         assert n <= cap, (subject, n)
     assert store["used"] <= store["quota"] == account_max_file(), store  # type: ignore[operator]
+    assert store["watch_consumers"] <= WATCH_SLOTS * len(WORKERS) + 1, store  # the planner's, ranks' at most
