@@ -189,6 +189,9 @@ def test_cpu_path_unchanged_by_a_plan_that_names_shrunk(store: ThreadedStore) ->
             t = torch.ones(1)
             comm.allreduce_sum_(t, 30.0)
             assert float(t) == 3.0
+            # nobody tears down while a peer may still read its last bytes: release cuts
+            # the group's sockets (a peer's all-reduce failed once without this barrier)
+            comm.barrier(30.0)
             comm.release()
             if worker == "w1":
                 return
