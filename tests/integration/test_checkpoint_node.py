@@ -17,7 +17,7 @@ import shutil
 import struct
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -69,16 +69,6 @@ class Errors:
 
     def about(self, text: str) -> list[ErrorEvent]:
         return [e for e in self.got if text in e.reason]
-
-
-@pytest.fixture
-async def cluster(bus: Bus, tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(bus, tmp_path, None)
-    await bus.nc.subscribe(CHECKPOINT.format(job=JOB), cb=c.on_event)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import functools
 import os
 import shutil
 import stat
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from phalanx.bus import Bus
 from phalanx.checkpoint import Checkpointer, wire
 from phalanx.checkpoint.tiers import step_key
-from phalanx.contract.subjects import CHECKPOINT
 from tests.integration.test_checkpoint import JOB, Cluster, assert_state_equal, in_thread, state_at
 from tests.integration.test_checkpoint_node import Errors, wait_for
 from tests.procs import NOBODY, as_uid
@@ -37,16 +36,6 @@ from tests.procs import NOBODY, as_uid
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (another uid)")
 SQUATTER = NOBODY
 PART = f"{JOB}=r0"  # the part of rank 0 (a save without a process group)
-
-
-@pytest.fixture
-async def cluster(bus: Bus, tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(bus, tmp_path, None)
-    await bus.nc.subscribe(CHECKPOINT.format(job=JOB), cb=c.on_event)
-    try:
-        yield c
-    finally:
-        await c.close()  # removes the shared memory root, the squatter's entries with it
 
 
 @pytest.fixture

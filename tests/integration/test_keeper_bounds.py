@@ -20,7 +20,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +32,6 @@ from phalanx.checkpoint import wire
 from phalanx.checkpoint.catalog import Catalog
 from phalanx.checkpoint.keeper import Keeper
 from phalanx.checkpoint.tiers import RetryPolicy
-from phalanx.contract.subjects import CHECKPOINT
 from phalanx.metrics import ReplicationMetrics
 from tests.integration.test_checkpoint import JOB, Cluster, in_thread, state_at
 from tests.integration.test_checkpoint_node import call_as
@@ -48,16 +47,6 @@ async def until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
         await asyncio.sleep(0.05)
-
-
-@pytest.fixture
-async def cluster(bus: Bus, tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(bus, tmp_path, None)
-    await bus.nc.subscribe(CHECKPOINT.format(job=JOB), cb=c.on_event)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 def socket_of(k: Keeper) -> str:

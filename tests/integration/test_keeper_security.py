@@ -15,7 +15,7 @@ import pickle
 import struct
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,16 +99,6 @@ async def until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -
         while not check():
             await asyncio.sleep(0.02)
     assert check(), what
-
-
-@pytest.fixture
-async def cluster(bus: Bus, tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(bus, tmp_path, None)  # memory and local disk: a lost node takes its disk
-    await bus.nc.subscribe(CHECKPOINT.format(job=JOB), cb=c.on_event)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 async def replicated(c: Cluster, step: int) -> tuple[Keeper, Keeper]:
