@@ -68,9 +68,13 @@ def test_a_keeper_killed_mid_drain_lists_nothing_partial_and_the_drain_resumes(
         "PHALANX_CKPT_REPLICAS": "0",
     }
     job = "midj"
-    state = {"w": torch.arange(48 << 20, dtype=torch.float32)}  # 192 MiB: seconds of upload to moto
+    state = {"w": torch.arange(48 << 20, dtype=torch.float32)}  # 192 MiB
+    # The object lane drains beside disk and shared, from the memory copy at once: unpaced,
+    # moto took the whole upload before the shared copy was complete (CI). Paced at 16 MB/s
+    # the first keeper's upload lasts at least 12 s, so the kill below lands in it.
+    paced = {**tiers, "PHALANX_CKPT_RATE": "object=16M"}
     with LocalStack(tmp_path / "stack", services=(), env=stack_env(tmp_path_factory)) as stack:
-        key = stack.start_keeper("n1", tiers)
+        key = stack.start_keeper("n1", paced)
 
         async def scenario() -> None:
             bus = await Bus.connect(stack.url, name="test")
@@ -78,9 +82,11 @@ def test_a_keeper_killed_mid_drain_lists_nothing_partial_and_the_drain_resumes(
             await bus.nc.subscribe(CHECKPOINT.format(job=job), cb=events.on_msg)
             try:
                 rank = Checkpointer(job, node="n1", root=stack.shm_root)
+                saved = time.monotonic()
                 assert rank.save(state, 12) is not None
-                await events.wait("shared", "complete", 30)  # the object drain starts now
+                await events.wait("shared", "complete", 30)
                 await asyncio.sleep(0.3)
+                print(f"keeper killed {time.monotonic() - saved:.1f}s after the save (upload >= 12 s)")
                 stack.procs[key].send_signal(signal.SIGKILL)
                 stack.procs[key].wait(10)
                 obj = ObjectTier(f"s3://{bucket}/ckpt", endpoint=s3_server.endpoint)
