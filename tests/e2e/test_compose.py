@@ -5,13 +5,15 @@ The images are built here (tests/_docker.py, no registry); docker-compose (Debia
 passwords (deploy/nats/render.py env) and free ports. Then, from the outside:
 
 1. every service's health check passes (the engine's own health status);
-2. the two-node sample job trains (``phalanx status --json`` as the admin login);
+2. the two-node sample job trains (``phalanx status --json`` as the admin login), and
+   its containers reach NATS' client port but none of the control network's other
+   listeners (NATS monitoring, the services) nor the host's loopback;
 3. one rank process in node-a's container is SIGKILLed: the job recovers (a new
    generation) and trains on;
 4. the planner leader's container process is SIGKILLed: the standby takes the
    lease, compose restarts the killed one (restart: unless-stopped), the job
    completes (both node containers exit 0);
-5. Prometheus, scraping every service, counts the recovery once across both
+5. Prometheus, scraping every service, counts each recovery once across both
    planner replicas.
 """
 
@@ -82,7 +84,7 @@ class Stack:
             for line in render.stdout.splitlines()
             if "=" in line and not line.startswith("#")
         )
-        lines = [render.stdout, *(f"{k}={v}" for k, v in self.ports.items()), "PHALANX_SAMPLE_STEPS=400"]
+        lines = [render.stdout, *(f"{k}={v}" for k, v in self.ports.items()), "PHALANX_SAMPLE_STEPS=200"]
         self.env_file.write_text("\n".join(lines) + "\n")
         self.log: list[str] = []
 
@@ -142,6 +144,38 @@ class Stack:
         values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
         return values[0] if values else None
 
+    def reach_from(self, service: str, targets: dict[str, tuple[str, str]] | None = None) -> dict[str, str]:
+        """What a process in ``service``'s container reaches: each target connected,
+        refused (nothing listens there for it), not even named, or another error
+        (a timeout: no route). By default NATS and the control network's listeners."""
+        targets = targets or {
+            "nats client port": ("nats", self.ports["PHALANX_NATS_PORT"]),
+            "nats monitoring": ("nats", self.ports["PHALANX_NATS_MONITOR_PORT"]),
+            "failure-detector by name": ("failure-detector", self.ports["PHALANX_DETECTOR_PORT"]),
+            "state-replication by name": ("state-replication", self.ports["PHALANX_REPLICATION_PORT"]),
+            "the host's loopback (a service's metrics port)": (
+                "127.0.0.1",
+                self.ports["PHALANX_DETECTOR_PORT"],
+            ),
+        }
+        probe = (
+            "import json, socket, sys\n"
+            "out = {}\n"
+            "for what, (host, port) in json.loads(sys.argv[1]).items():\n"
+            "    try:\n"
+            "        socket.create_connection((host, int(port)), timeout=3).close()\n"
+            "        out[what] = 'connected'\n"
+            "    except socket.gaierror:\n"
+            "        out[what] = 'no such name'\n"
+            "    except ConnectionRefusedError:\n"
+            "        out[what] = 'refused'\n"
+            "    except OSError as exc:\n"
+            "        out[what] = f'{type(exc).__name__}: {exc}'\n"
+            "print(json.dumps(out))\n"
+        )
+        out = self.engine.docker("exec", self.container(service), "python3", "-c", probe, json.dumps(targets))
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
     def prometheus(self, query: str) -> list[dict[str, Any]]:
         port = self.ports["PHALANX_PROMETHEUS_PORT"]
         url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
@@ -181,6 +215,23 @@ def test_the_compose_stack_trains_through_a_rank_kill_and_a_planner_leader_kill(
 
     first = _until("generation 1 training", lambda: training(1), timeout_s=300)
     stack.note(f"training: generation {first['generation']}, step {first['step']}")
+    reach = stack.reach_from("node-a")
+    stack.note(f"from node-a's container: {reach}")
+    # by address, not asserted: keeping networks apart by address is the engine's
+    # firewall, and this engine runs without iptables rules
+    detector = stack.inspect("failure-detector")["NetworkSettings"]["Networks"]
+    addr = next(iter(detector.values()))["IPAddress"]
+    by_addr = stack.reach_from(
+        "node-a", {"failure-detector by address": (addr, stack.ports["PHALANX_DETECTOR_PORT"])}
+    )
+    stack.note(f"from node-a's container, not asserted: {by_addr}")
+    assert reach == {
+        "nats client port": "connected",
+        "nats monitoring": "refused",
+        "failure-detector by name": "no such name",
+        "state-replication by name": "no such name",
+        "the host's loopback (a service's metrics port)": "refused",
+    }
 
     # 1. a rank process of node-a, SIGKILLed inside its container
     rank = next(w for w in first["workers"] if w["role"] == "rank" and w["node"] == "node-a" and w["pid"])
@@ -192,8 +243,8 @@ def test_the_compose_stack_trains_through_a_rank_kill_and_a_planner_leader_kill(
     # Prometheus has the recovery counted (scraped from the leader) before the leader dies:
     # a counter in a killed process's memory that no scrape saw is gone with it
     recoveries = 'sum(max_over_time(phalanx_recoveries_total{job="sample"}[15m]))'
-    _until("the recovery scraped", lambda: _value(stack.prometheus(recoveries)) == 1.0 or None, timeout_s=60)
-    stack.note("prometheus: the recovery counted once")
+    _until("the recovery scraped", lambda: (_value(stack.prometheus(recoveries)) or 0) >= 1.0, timeout_s=60)
+    stack.note("prometheus: the recovery counted")
 
     # 2. the planner leader's container: its main process SIGKILLed from the host
     leader_var = _until(
@@ -247,9 +298,13 @@ def test_the_compose_stack_trains_through_a_rank_kill_and_a_planner_leader_kill(
     up = {r["metric"]["job"] for r in stack.prometheus(services_up)}
     assert {"failure-detector", "scheduler-signal", "elasticity-planner", "state-replication"} <= up, up
     # ... and still once: the standby that took over did not count it again
+    # Each generation after the first is one recovery (nothing resizes this job). On
+    # two loaded cores a healthy rank's heartbeats have once gone quiet past the
+    # detector's worker floor (555 ms) and it was replaced: a second recovery, which
+    # must be counted once too. The reason of the last one is printed.
     recovered = stack.prometheus(recoveries)
-    stack.note(f"prometheus: recoveries of job sample across planners = {recovered}")
-    assert _value(recovered) == 1.0, recovered
+    stack.note(f"prometheus: recoveries of job sample across planners = {recovered}; last: {done['reason']}")
+    assert _value(recovered) == done["generation"] - 1, (recovered, done["generation"])
 
 
 def _value(result: list[dict[str, Any]]) -> float | None:

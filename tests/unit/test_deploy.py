@@ -1,7 +1,7 @@
 """deploy/ agrees with the code and with the schemas of what runs it, offline.
 
-Neither the compose file nor the Kubernetes manifests have run anywhere (no Docker
-engine, no cluster on the machines this is written on). What is checked here:
+The Kubernetes manifests have not run anywhere (no cluster on the machines this is
+written on); the compose file runs in tests/e2e/test_compose.py. What is checked here:
 
 - Dockerfile: its install step is the README's install command, word for word;
   python:3.11-slim, non-root, no test/dev extras.
@@ -391,7 +391,8 @@ def test_nats_monitoring_listens_on_loopback_only_and_is_published_nowhere() -> 
             "127.0.0.1:8222"
         ], conf
     nats = _compose()["services"]["nats"]
-    assert not nats.get("ports") and nats["network_mode"] == "host"
+    # only the client port is published, on the host's loopback
+    assert nats["ports"] == [f"127.0.0.1:{NATS_PORT}:{NATS_PORT}"]
     # the port flag overrides the http port only, nats.conf's loopback address stays
     assert nats["command"][nats["command"].index("--http_port") + 1] == "${PHALANX_NATS_MONITOR_PORT:-8222}"
     assert "http://127.0.0.1:${PHALANX_NATS_MONITOR_PORT:-8222}/healthz" in " ".join(
@@ -476,10 +477,10 @@ def _interpolated_env(svc: dict[str, Any]) -> dict[str, str]:
 
 
 def _assert_phalanx_env(name: str, env: dict[str, str]) -> None:
-    assert env["NATS_URL"] == f"nats://127.0.0.1:{NATS_PORT}", name
+    assert env["NATS_URL"] == f"nats://nats:{NATS_PORT}", name
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${OTEL_EXPORTER_OTLP_ENDPOINT:-}", name
     assert env["OTEL_SERVICE_NAME"], name
-    assert env["PHALANX_METRICS_HOST"] == "127.0.0.1", name  # host networking: loopback only
+    assert env["PHALANX_METRICS_HOST"] == "0.0.0.0", name  # its container's addresses
     assert re.fullmatch(r"\$\{PHALANX_[A-Z_]+_PORT:-94\d\d\}", env["PHALANX_METRICS_PORT"]), name
 
 
@@ -491,8 +492,10 @@ def test_compose_services_have_metrics_health_checks_and_their_own_login() -> No
         svc = services[name]
         service = name.removesuffix("-standby")
         assert svc["command"] == ["python", "-m", f"phalanx.services.{module}"]
-        assert svc["network_mode"] == "host"
+        assert svc["networks"] == ["control"] and "network_mode" not in svc
         env = _interpolated_env(svc)
+        # its metrics port published on the host's loopback, nowhere else
+        assert svc["ports"] == [f"127.0.0.1:{env['PHALANX_METRICS_PORT']}:{env['PHALANX_METRICS_PORT']}"]
         _assert_phalanx_env(name, env)
         assert env["OTEL_SERVICE_NAME"] == service
         # the service's own /healthz on its metrics port: a plain HTTP GET, not the CLI
@@ -530,6 +533,25 @@ def test_compose_runs_nats_with_jetstream_on_a_volume_and_authorization() -> Non
     assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
 
 
+def test_compose_keeps_the_job_containers_off_the_control_network() -> None:
+    """The jobs' network holds the node containers and what they must reach (NATS,
+    Prometheus, which scrapes the launchers, and Jaeger, their traces' intake); every
+    other service is on the control network only, and nothing uses the host's network."""
+    compose = _compose()
+    assert set(compose["networks"]) == {"control", "jobs"}
+    on_jobs = {n for n, svc in compose["services"].items() if "jobs" in svc["networks"]}
+    assert on_jobs == {*NODES, "nats", "prometheus", "jaeger"}
+    for name, svc in compose["services"].items():
+        assert "network_mode" not in svc, name
+        assert set(svc["networks"]) <= {"control", "jobs"}, name
+        # published ports: on the host's loopback only, and none by a job's container
+        assert all(p.startswith("127.0.0.1:") for p in svc.get("ports", [])), name
+    assert all(
+        set(compose["services"][n]["networks"]) == {"jobs"} and "ports" not in compose["services"][n]
+        for n in NODES
+    )
+
+
 def test_compose_runs_the_sample_job_on_two_launcher_containers() -> None:
     from phalanx.cli import cli
 
@@ -540,7 +562,7 @@ def test_compose_runs_the_sample_job_on_two_launcher_containers() -> None:
     assert all(s == shared[0] for s in shared), "the nodes differ only in --node-id"
     flags, training = shared[0]
     assert flags["--nnodes"] == str(len(NODES)) and flags["--job"] == JOB
-    assert flags["--nproc-per-node"] == "2" and flags["--rdzv-endpoint"] == f"127.0.0.1:{NATS_PORT}"
+    assert flags["--nproc-per-node"] == "2" and flags["--rdzv-endpoint"] == f"nats:{NATS_PORT}"
     assert training[:3] == ["python", "-m", TRAIN_MODULE]
     # a lost node leaves the other's ranks, enough to keep training
     assert int(flags["--min-nproc"]) <= (len(NODES) - 1) * int(flags["--nproc-per-node"])
@@ -567,7 +589,7 @@ def test_compose_runs_the_sample_job_on_two_launcher_containers() -> None:
         assert (params["node_id"], params["job"], params["rdzv_endpoint"]) == (
             name,
             JOB,
-            f"127.0.0.1:{NATS_PORT}",
+            f"nats:{NATS_PORT}",
         )
         assert list(params["cmd"]) == training
     assert len(data) == len(NODES)  # each node its own data volume
@@ -587,7 +609,13 @@ def test_prometheus_scrapes_every_service_and_launcher_on_its_metrics_port() -> 
         for sc in job.get("static_configs", []):
             for t in sc["targets"]:
                 host, _, port = t.partition(":")
-                assert host == "127.0.0.1" and port.startswith("${"), t
+                if job["job_name"] == "prometheus":
+                    assert t == "127.0.0.1:9090", t  # itself, on its own loopback
+                    continue
+                # each target by its compose service name, on a network both share
+                target = services[host]
+                assert set(target["networks"]) & set(prom["networks"]), t
+                assert str(target["environment"]["PHALANX_METRICS_PORT"]) == ports[port[2:-1]], t
                 targets.add(ports[port[2:-1]])
     metered = {
         str(s["environment"]["PHALANX_METRICS_PORT"])
@@ -595,7 +623,7 @@ def test_prometheus_scrapes_every_service_and_launcher_on_its_metrics_port() -> 
         if "PHALANX_METRICS_PORT" in s.get("environment", {})
     }
     assert len(metered) == len(COMPOSE_SERVICES) + len(NODES)  # each its own port
-    assert targets == metered | {ports["PHALANX_PROMETHEUS_PORT"]}
+    assert targets == metered
     # the config file is the one compose mounts
     assert "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
 

@@ -4,10 +4,12 @@ The machines Phalanx is developed and tested on reach no container registry and
 have no Docker engine running. This starts one of their own: Debian's ``dockerd``
 (``docker.io``, installed with apt-get when missing and running as root) with
 
-- no bridge and no iptables rules (``--bridge=none --iptables=false``): containers
-  run on the host's network only (``--network host``), so nothing changes the
-  host's interfaces or firewall, and every address a test uses is on loopback or
-  inside a namespace the test made;
+- no default bridge and no iptables rules (``--bridge=none --iptables=false``): a
+  container runs on the host's network (``--network host``) unless it joins a network
+  made for it (deploy/docker-compose.yml's two, whose bridges exist until the project
+  is brought down); the host's firewall never changes, and every address a test uses
+  is on loopback or inside a namespace the test made. Without iptables the engine
+  does not keep such networks apart by address (docker's isolation rules);
 - its own data root, exec root, socket and pidfile under one directory, removed
   when the engine stops (also when the test that started it fails);
 - the ``overlay2`` storage driver where the kernel and the data root's file system
