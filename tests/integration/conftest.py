@@ -24,11 +24,19 @@ async def watcher(bus: Bus) -> Watcher:
 
 
 @pytest.fixture
-async def cluster(bus: Bus, tmp_path: Path) -> AsyncIterator[Cluster]:
+def cluster_bucket() -> str | None:
+    """The object tier of :func:`cluster`'s keepers (``s3://...``): none here; a module
+    that needs one overrides this fixture (test_checkpoint.py)."""
+    return None
+
+
+@pytest.fixture
+async def cluster(bus: Bus, tmp_path: Path, cluster_bucket: str | None) -> AsyncIterator[Cluster]:
     """Keepers in this process, each a node of its own (memory and local disk: a lost node
-    takes its disk), and the checkpoint events of their job. Closing it removes the shared
-    memory root. (test_checkpoint.py and test_netns.py have a ``cluster`` of their own.)"""
-    c = Cluster(bus, tmp_path, None)
+    takes its disk; object storage where ``cluster_bucket`` names a bucket), and the
+    checkpoint events of their job. Closing it removes the shared memory root.
+    (test_netns.py has a ``cluster`` of its own.)"""
+    c = Cluster(bus, tmp_path, cluster_bucket)
     await bus.nc.subscribe(CHECKPOINT.format(job=CHECKPOINT_JOB), cb=c.on_event)
     try:
         yield c

@@ -11,7 +11,7 @@ import asyncio
 import secrets
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ from phalanx.checkpoint.keeper import Keeper
 from phalanx.checkpoint.keeperconfig import KeeperConfig
 from phalanx.checkpoint.tiers import ObjectTier, step_key
 from phalanx.contract import CheckpointEvent, decode
-from phalanx.contract.subjects import CHECKPOINT
 from phalanx.devstack.s3server import S3Server
 from phalanx.settings import TierPolicy
 
@@ -108,22 +107,14 @@ class Cluster:
 
 
 @pytest.fixture
-def bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+def cluster_bucket(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """This module's keepers drain to object storage too (tests/integration/conftest.py's
+    ``cluster`` takes it)."""
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     name = f"ck-{uuid.uuid4().hex[:10]}"
     s3_server.create_bucket(name)
     return f"s3://{name}/ckpt"
-
-
-@pytest.fixture
-async def cluster(bus: Bus, tmp_path: Path, bucket: str) -> AsyncIterator[Cluster]:
-    c = Cluster(bus, tmp_path, bucket)
-    await bus.nc.subscribe(CHECKPOINT.format(job=JOB), cb=c.on_event)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:

@@ -29,9 +29,9 @@ from phalanx.checkpoint.slots import SlotState, scan
 from phalanx.checkpoint.tiers import ObjectTier, ReadFile, step_key
 from phalanx.devstack.natsserver import NatsServer
 from phalanx.natsauth import NatsAuth
-from tests.integration.test_checkpoint import JOB, Cluster, bucket, cluster, in_thread, state_at
+from tests.integration.test_checkpoint import JOB, Cluster, cluster_bucket, in_thread, state_at
 
-__all__ = ["bucket", "cluster"]  # the fixtures, as test_checkpoint.py has them
+__all__ = ["cluster_bucket"]  # the fixture: keepers with object storage, as test_checkpoint.py's
 
 
 @dataclass

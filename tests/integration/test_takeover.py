@@ -19,9 +19,9 @@ from phalanx.checkpoint.keeper import Keeper
 from phalanx.checkpoint.manifest import Manifest
 from phalanx.checkpoint.tiers import ObjectTier, ReadFile
 from phalanx.contract import CheckpointEvent
-from tests.integration.test_checkpoint import JOB, Cluster, bucket, cluster, state_at
+from tests.integration.test_checkpoint import JOB, Cluster, cluster_bucket, state_at
 
-__all__ = ["bucket", "cluster"]  # the fixtures, as test_checkpoint.py has them
+__all__ = ["cluster_bucket"]  # the fixture: keepers with object storage, as test_checkpoint.py's
 
 FAST = {"refresh_s": 0.2, "lost_after_s": 1.0}  # a keeper is lost ~1 s after its last refresh
 
