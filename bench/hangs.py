@@ -23,6 +23,9 @@ Faults:
   peers blocked in it (``kill:...@step=k``).
 - ``first_allreduce``: another rank dies at step 3; in the generation that replaces
   it, the rank hangs inside that generation's first all-reduce (``wedge:...@collective=2``).
+- ``job_first_allreduce``: a rank hangs inside the job's very first all-reduce
+  (``wedge:...@collective=1``), before any step was timed: its peers' bound there
+  is what moving the gradients takes, after a barrier (:mod:`phalanx.runtime.bounds`).
 - ``spare_rendezvous``: another rank dies at step 3; the spares hang inside their
   first rendezvous (``wedge:...@rendezvous=2``).
 
@@ -78,7 +81,7 @@ from phalanx.devstack.jobwatch import JobResult
 from phalanx.devstack.localstack import LocalStack
 from phalanx.tracesummary import _from_file
 
-FAULTS = ("sigstop", "spin", "peer_dies", "first_allreduce", "spare_rendezvous")
+FAULTS = ("sigstop", "spin", "peer_dies", "first_allreduce", "job_first_allreduce", "spare_rendezvous")
 OUTSIDE = ("sigstop", "peer_dies")  # what an unmodified script can be given
 SPARES = 2
 
@@ -161,6 +164,7 @@ def _faults_spec(rung: Rung, fault: str, k: int) -> str:
         "spin": f"spin:{rung.victim}@step={k}",
         "peer_dies": f"kill:{rung.victim}@step={k}",
         "first_allreduce": f"kill:{rung.victim}@step=3,wedge:{other}@collective=2",
+        "job_first_allreduce": f"wedge:{rung.victim}@collective=1",
         "spare_rendezvous": f"kill:{rung.victim}@step=3,"
         + ",".join(f"wedge:{s}@rendezvous=2" for s in spares),
     }[fault]

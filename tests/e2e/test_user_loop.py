@@ -139,6 +139,24 @@ def test_a_rank_hung_joining_a_new_generation_is_replaced(
     assert_bitwise_equal(weights, reference)
 
 
+def test_a_rank_hung_inside_the_job_s_first_all_reduce_costs_seconds_not_a_minute(
+    run: Run, reference: dict[str, torch.Tensor]
+) -> None:
+    """Before any step was timed, every member passes a barrier (under the initial
+    minute) in its first bucket's hook, and the step's all-reduces are bounded by the
+    gradients' bytes from there (a small model's: the 2 s floor, near enough): w2
+    hung inside the first one is found after that, not after the minute."""
+    result, weights, _ = run(spares=1, faults="wedge:w2@collective=1")
+    [hung] = result.faults
+    assert isinstance(hung, RankHung) and hung.cause is FaultCause.COLLECTIVE_HANG, result.faults
+    assert hung.worker == "w2" and hung.generation == 1
+    assert 2000.0 <= hung.evidence["bound_ms"] < 2100.0, hung.evidence
+    assert actions(result) == [Action.START, Action.REPLACE]
+    assert_recovered(result, generation=2)
+    assert_bitwise_equal(weights, reference)
+    print(f"\nhung in the job's first all-reduce: {hung.evidence}")
+
+
 PORT = [sys.executable, "-m", "examples.ddp_phalanx", *SIZE]
 # rank 0 evaluates 3 s every 4 steps while the others wait: past the straggler
 # floor (1.5 s) and the gradient all-reduce's (2 s) each time

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.runtime.bounds import COLLECTIVE_WINDOW, STATE_MIN_BYTES_PER_S, Bounds
+from phalanx.runtime.bounds import COLLECTIVE_WINDOW, MIN_BYTES_PER_S, Bounds
 
 
 def bounds(**kw: float) -> Bounds:
@@ -46,6 +46,25 @@ def test_first_all_reduce_of_a_generation_is_bounded_by_the_members_slowest_step
     assert b.gradient_s() == 2.0  # from then on, this generation's own
 
 
+def test_the_job_s_first_all_reduce_is_bounded_by_its_bytes_once_every_member_arrived() -> None:
+    b = bounds()
+    assert b.unmeasured and b.gradient_s() == 60.0 and b.initial_s_capped() == 60.0
+    b.arrived(gradient_bytes=MIN_BYTES_PER_S)  # past the barrier: the members start it together
+    assert not b.unmeasured and b.gradient_s() == pytest.approx(2.0 + 2.0)  # each byte sent twice
+    b.record_collective(40.0)
+    assert b.gradient_s() == 2.0  # learned from then on
+    b.leave()
+    b.join(slowest_step_ms=0.0)  # a generation formed before any step completed: again
+    assert b.unmeasured and b.gradient_s() == 60.0
+    b.arrived(gradient_bytes=4 << 20)  # a small model's: the floor, near enough
+    assert b.gradient_s() == pytest.approx(2.08)
+    b.join(slowest_step_ms=500.0)  # a member has a step: that bounds it, no barrier
+    assert not b.unmeasured and b.gradient_s() == 2.0
+    big = bounds(initial_s=500.0)
+    big.arrived(gradient_bytes=40 << 30)  # 40 GiB at the slowest rate: the backstop
+    assert big.gradient_s() == 120.0 and big.initial_s_capped() == 120.0
+
+
 def test_rendezvous_waits_for_peers_still_in_the_generation_left() -> None:
     b = bounds(rendezvous_s=30.0)
     assert b.arrival_s() == 30.0  # a first generation: the job's start, or a spare
@@ -58,6 +77,6 @@ def test_rendezvous_waits_for_peers_still_in_the_generation_left() -> None:
 def test_state_transfer_bound_grows_with_the_state_and_the_queue() -> None:
     b = bounds()
     assert b.transfer_s(0, 0) == 2.0
-    assert b.transfer_s(STATE_MIN_BYTES_PER_S, 0) == pytest.approx(3.0)
-    assert b.transfer_s(STATE_MIN_BYTES_PER_S, 2) == pytest.approx(5.0)  # two receivers served first
+    assert b.transfer_s(MIN_BYTES_PER_S, 0) == pytest.approx(3.0)
+    assert b.transfer_s(MIN_BYTES_PER_S, 2) == pytest.approx(5.0)  # two receivers served first
     assert b.transfer_s(10**15, 0) == 120.0

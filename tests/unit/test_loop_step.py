@@ -21,6 +21,7 @@ from phalanx.contract import Member, Plan
 from phalanx.runtime.bounds import Bounds
 from phalanx.runtime.comm import CommError, Communicator
 from phalanx.runtime.loop import MicroBatches, UserLoop, _roll_back, rescale_lrs, snapshot
+from phalanx.runtime.sampler import ElasticSampler
 from tests.stores import SECRET, hosted
 from tests.unit.test_buckets import run_ranks
 
@@ -262,8 +263,7 @@ def test_a_failed_step_leaves_the_grad_scaler_and_the_optimizer_as_they_were() -
     m, opt, scaler = setup()
     loop = user_loop(Communicator("w0", "127.0.0.1:1"), FakeSession(0, 1))
     loop.tracked = {"model": m, "optimizer": opt, "scaler": scaler}
-    loop._sampler = object()  # type: ignore[assignment]
-    loop._prepare_tracking()
+    loop._prepare_tracking(ElasticSampler(range(4)))
     before = {k: v.clone() for k, v in m.state_dict().items()}
     saved = snapshot(loop.tracked)
     loop._failed = CommError("a peer died in this step")

@@ -12,8 +12,15 @@ then takes a member still inside the collective past its own bound for hung
   4). The *first* of a generation also waits for the slowest member's whole step
   (a joiner's forward and backward, while survivors may reuse their gradients):
   ``max(floor, factor x the slowest recent step of any member)``, the members'
-  step times being shared at state transfer; only before any member has completed
-  a step (the job's first) it is ``PHALANX_COLLECTIVE_INITIAL_MS`` (60000).
+  step times being shared at state transfer. Before any member has completed a
+  step (the job's first), nothing says how long the members' first forward and
+  backward may differ: every member first passes a barrier bounded by
+  ``PHALANX_COLLECTIVE_INITIAL_MS`` (60000; a member that never arrives is the
+  detector's straggler), then the all-reduce, whose members now start together,
+  waits what moving the step's gradients takes at the slowest rate still taken
+  for progress: ``floor + 2 x gradient bytes / MIN_BYTES_PER_S`` (a ring sends
+  each byte about twice): a rank hung inside it costs its peers seconds, not a
+  minute, and a large model's first all-reduce is not judged a hang.
 - **rendezvous**: the arrival wait, ``floor + the gradient bound of the
   generation this rank leaves`` (a peer may still sit in that generation's last
   all-reduce; a newer plan ends the wait at once), or ``rendezvous_timeout_s``
@@ -21,7 +28,7 @@ then takes a member still inside the collective past its own bound for hung
   group once every member has arrived: ``floor``.
 - **state transfer**: the members' exchange of their steps: ``floor``; each
   message of a state: ``floor + (receivers served before + 1) x the largest
-  member's state / STATE_MIN_BYTES_PER_S``.
+  member's state / MIN_BYTES_PER_S``.
 
 None is above ``collective_timeout_s`` (``PHALANX_COLLECTIVE_TIMEOUT_S``, 120), the
 backstop, which is also the bound of the collectives outside recovery's path (the
@@ -35,9 +42,10 @@ from collections import deque
 COLLECTIVE_WINDOW = 20
 """Gradient collectives (and steps) whose wall times make the learned bounds."""
 
-STATE_MIN_BYTES_PER_S = 100 * 2**20
-"""The slowest state transfer (packing included) still taken for progress, not a
-hang: a bound, far below what a network or a memory copy does."""
+MIN_BYTES_PER_S = 100 * 2**20
+"""The slowest transfer (a state, packing included; the job's first gradient
+all-reduce) still taken for progress, not a hang: a bound, far below what a
+network or a memory copy does."""
 
 
 class Bounds:
@@ -74,6 +82,23 @@ class Bounds:
         if self._first_s is not None:
             return self._first_s
         return self._capped(self.initial_s)
+
+    def initial_s_capped(self) -> float:
+        """The wait for every member to reach the job's first gradient all-reduce."""
+        return self._capped(self.initial_s)
+
+    @property
+    def unmeasured(self) -> bool:
+        """No member of this generation has timed a step or a gradient all-reduce (the
+        job's first, or a generation formed before any step completed): the same on
+        every member, since the slowest step is shared at state transfer."""
+        return not self._collective_ms and self._first_s is None
+
+    def arrived(self, gradient_bytes: int) -> None:
+        """Every member has reached the job's first gradient all-reduce (a barrier),
+        which reduces ``gradient_bytes`` on this rank: it is bounded from here as one
+        whose members start together (the module doc)."""
+        self._first_s = self._capped(self.floor_s + 2 * gradient_bytes / MIN_BYTES_PER_S)
 
     @property
     def first_of_generation(self) -> bool:
@@ -120,7 +145,7 @@ class Bounds:
     def transfer_s(self, state_bytes: int, queued: int) -> float:
         """Each message of a state of (at most) ``state_bytes``, with ``queued``
         receivers served by the same source before this one."""
-        return self._capped(self.floor_s + (queued + 1) * state_bytes / STATE_MIN_BYTES_PER_S)
+        return self._capped(self.floor_s + (queued + 1) * state_bytes / MIN_BYTES_PER_S)
 
 
-__all__ = ["COLLECTIVE_WINDOW", "STATE_MIN_BYTES_PER_S", "Bounds"]
+__all__ = ["COLLECTIVE_WINDOW", "MIN_BYTES_PER_S", "Bounds"]

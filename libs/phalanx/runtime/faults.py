@@ -18,10 +18,11 @@ A comma-separated list of ``action:worker@point``:
   model's step N, as its first gradient reduce-scatter starts: mid-step, in the
   backward pass), ``pause=N`` (in step N, as the rank enters ``job.pause``),
   ``collective=G`` (the same place in the first step of generation G: its first
-  gradient all-reduce), ``recovery=G`` (as the worker starts joining generation
-  G, before its rendezvous), ``rendezvous=G`` (inside G's rendezvous, once every
-  member has arrived and the process group is being connected) or
-  ``transfer=G`` (inside G's state transfer, as it begins).
+  gradient all-reduce, past the barrier every member passes first where no member
+  has timed a step yet: ``Session.arrive``), ``recovery=G`` (as the worker starts
+  joining generation G, before its rendezvous), ``rendezvous=G`` (inside G's
+  rendezvous, once every member has arrived and the process group is being
+  connected) or ``transfer=G`` (inside G's state transfer, as it begins).
 
 >>> FaultPlan.parse("kill:w2@step=5,stop:w1@recovery=2")
 FaultPlan(faults=(Fault(action='kill', worker='w2', point='step', value=5), ...))

@@ -151,6 +151,7 @@ from phalanx.runtime.session import Member, RecoveryError, Removed, Session
 from phalanx.runtime.sharded import StepGuard, load_shards, mesh_for_job
 from phalanx.runtime.shards import to_local
 from phalanx.runtime.snapshots import RotatingSnapshots, snapshot_interval
+from phalanx.runtime.stepbatches import StepBatches
 from phalanx.runtime.tiered import ShardedCheckpoints
 from phalanx.telemetry import get_logger
 
@@ -195,16 +196,8 @@ class UserLoop:
         self._scale = 1.0
         self._remap: Remap | None = None
         self._source_layout: Layout | None = None
-        # Data: the loader, its iterator and the step's batch.
-        self._sampler: ElasticSampler | None = None
-        self._loader: DataLoader[Any] | None = None
-        self._it: Iterator[Any] | None = None
-        self._it_at: tuple[int, int, int, int] | None = None  # (epoch, offset, world, rank) of its next batch
-        self._rng_before: dict[str, Any] | None = None  # at the start of the step, before its batch
-        self._rng_step = -1  # the step _rng_before belongs to
-        self._rng_after: dict[str, Any] | None = None  # after the batch was fetched
-        self._held: tuple[tuple[int, int, int], list[Any]] | None = None  # ((step, world, rank), batches)
-        self._received = False
+        self._data: StepBatches | None = None  # job.steps()'s loader
+        self._received = False  # the state (RNG included) came from a peer
         self._world_seen = 0
         self._on_resize: Callable[[int, int, NodePlan], None] | None = None
         # The batch a step trains (loader batch x world x micro-batches) and the factor
@@ -295,14 +288,16 @@ class UserLoop:
             )
         if total < 0:
             raise ValueError("total must be >= 0")
-        self._sampler, self._loader = sampler, loader
-        self._prepare_tracking()
+        data = self._data = StepBatches(loader, sampler)
+        self._prepare_tracking(sampler)
         if self._ddp is not None:
             device = next((p.device for p in self._ddp.parameters()), torch.device("cpu"))
             if self._every:  # resumed from by the Session's last resort (its checkpoints=)
                 self.snapshots = RotatingSnapshots.of(self.job.job, self._every, self.log, self.tracked)
             store = self.snapshots.checkpoints if self.snapshots is not None else None
-            session = self.session = Session(self.job, self, device=device, checkpoints=store)
+            session = self.session = Session(
+                self.job, self, device=device, checkpoints=store, gradient_bytes=_gradient_bytes(self._ddp)
+            )
         else:
             mesh = self._mesh
             assert mesh is not None
@@ -310,8 +305,14 @@ class UserLoop:
                 self.checkpoints = ShardedCheckpoints(
                     self.job.job, self._every, mesh, self.tracked, self.job.status
                 )
+            modules = [m for m in self.tracked.values() if isinstance(m, nn.Module)]
             session = self.session = Session(
-                self.job, self, device=self._device, position=mesh.position, checkpoints=self.checkpoints
+                self.job,
+                self,
+                device=self._device,
+                position=mesh.position,
+                checkpoints=self.checkpoints,
+                gradient_bytes=sum(_gradient_bytes(m) for m in modules),
             )
         try:
             session.start(self._restore)
@@ -339,8 +340,7 @@ class UserLoop:
                     continue
                 # a collective failed after the update (a metric's): the step stands
                 switch, late = self._vote.outcome(session, self._late or self.pauses.failed)
-                self._held = None
-                sampler.advance(loader.batch_size * session.world_size * self._per_step(session.world_size))
+                data.committed(session.world_size, session.plan.batch if session.plan is not None else None)
                 loss = None if self._loss is None else float(self._loss)
                 session.committed((time.perf_counter() - t0 - self.pauses.seconds) * 1000.0, wall0, loss)
                 if self.checkpoints is not None and self.checkpoints.due(session.step) and late is None:
@@ -384,8 +384,8 @@ class UserLoop:
             # a sharded model's DTensors as their local shards: only those move
             "tracked": {name: to_local(obj.state_dict()) for name, obj in self.tracked.items()},
             # the RNG state before the step in flight's batch was fetched (now, if not yet)
-            "rng": self._rng_before
-            if self.session is not None and self._rng_step == self.session.step
+            "rng": self._data.rng_of(self.session.step)
+            if self._data is not None and self.session is not None
             else rng_state(),
             # the generation's layout; a loaded checkpoint's until _restore adopts it
             "ddp": {"layout": self._source_layout if self._received else self._layout},
@@ -403,7 +403,7 @@ class UserLoop:
             got = sorted(tracked) if isinstance(tracked, dict) else tracked
             raise RecoveryError(f"the peer's state holds {got}, this rank tracks {sorted(self.tracked)}")
         for name, obj in self.tracked.items():
-            if fresh and obj is self._sampler:
+            if fresh and self._data is not None and obj is self._data.sampler:
                 continue  # everyone starts the epoch at 0 already
             got = tracked[name]
             if self._mesh is not None:  # the shards back into DTensors laid out like ours
@@ -431,71 +431,22 @@ class UserLoop:
         if layout is None and self._reducer_used:
             _remake_reducer(self)  # everyone starts over with DDP's first-iteration buckets
         self._layout, self._source_layout = layout, None
-        key = (session.step, world_size, rank)
-        held = self._held
-        if self._received or held is None or held[0] != key:
-            self._held = None
-            if not self._received and held is not None and held[0][0] == key[0] and self._rng_before:
-                set_rng_state(self._rng_before)  # the same step at a new place: read it afresh
-        elif self._rng_after is not None:
-            set_rng_state(self._rng_after)  # redo with the batch in hand, as it was drawn
+        assert self._data is not None
+        self._data.rejoin((session.step, world_size, rank), self._received)
         self._received = False
         self._batch(world_size, rank)
 
-    def _per_step(self, world: int) -> int:
-        plan = self.session.plan if self.session is not None else None
-        # not `if self._loader`: a DataLoader is falsy at its epoch's end (len 0)
-        batch_size = self._loader.batch_size if self._loader is not None else 0
-        return per_step(plan.batch if plan is not None else None, batch_size or 0, world)
-
     def _batch(self, world_size: int | None = None, rank: int | None = None) -> list[Any]:
-        """The loader batches of the session's step for (world_size, rank) (the
-        session's by default): those held if they are for this very step and place,
-        else the next ones of an iterator placed at the sampler's position."""
-        session, sampler, loader = self.session, self._sampler, self._loader
-        assert session is not None and sampler is not None and loader is not None
-        batch_size = loader.batch_size or 0
+        """The loader batches of the session's step for (world_size, rank), the session's
+        by default (:class:`~.stepbatches.StepBatches`)."""
+        session, data = self.session, self._data
+        assert session is not None and data is not None
         world = session.world_size if world_size is None else world_size
-        rank = session.rank if rank is None else rank
-        key = (session.step, world, rank)
-        if self._held is not None and self._held[0] == key:
-            return self._held[1]
-        self._rng_before, self._rng_step = rng_state(), session.step
-        for _ in range(2):  # at most one epoch boundary before a batch
-            where = (sampler.epoch, sampler.offset, world, rank)
-            if self._it is None or self._it_at != where:
-                # An iterator serves only the position right after its last batch.
-                sampler.place(epoch=sampler.epoch, offset=sampler.offset, world=world, rank=rank)
-                if sampler.offset == 0:
-                    self._it = iter(loader)  # an epoch begins: it draws its seed, as under torchrun
-                else:  # placed mid-epoch: the draw the epoch's start made is in the RNG state already
-                    rng = torch.get_rng_state()
-                    self._it = iter(loader)
-                    torch.set_rng_state(rng)
-            try:
-                parts = [next(self._it)]
-                break
-            except StopIteration:
-                sampler.place(epoch=sampler.epoch + 1, offset=0, world=world, rank=rank)
-                self._it = None
-        else:
-            raise RuntimeError(
-                f"the DataLoader yields nothing in epoch {sampler.epoch} at world size {world}"
-            )
-        for _ in range(self._per_step(world) - 1):  # a shrunk job holding its global batch
-            part = next(self._it, None)
-            if part is None:
-                break  # the epoch's end: a short step, as the fixed-size run's last one
-            parts.append(part)
-        done = batch_size * world * len(parts)
-        self._it_at = (sampler.epoch, min(sampler.size, sampler.offset + done), world, rank)
-        self._rng_after = rng_state()
-        self._held = (key, parts)
-        return parts
+        place = (session.step, world, session.rank if rank is None else rank)
+        return data.at(place, session.plan.batch if session.plan is not None else None)
 
     # -- tracking and guards ------------------------------------------------------------
-    def _prepare_tracking(self) -> None:
-        assert self._sampler is not None
+    def _prepare_tracking(self, sampler: ElasticSampler) -> None:
         if not self.tracked and self._ddp is None:
             raise TypeError(
                 "with job.mesh(), say what moves to a joiner: job.track(model=..., optimizer=...)"
@@ -503,8 +454,8 @@ class UserLoop:
         if not self.tracked and self._ddp is not None:
             self.tracked = {"model": self._ddp, **find_optimizers(self._ddp)}
             self.log.info("tracked_found", objects=sorted(self.tracked))
-        if not any(obj is self._sampler for obj in self.tracked.values()):
-            self.tracked["sampler"] = self._sampler
+        if not any(obj is sampler for obj in self.tracked.values()):
+            self.tracked["sampler"] = sampler
         for obj in self.tracked.values():
             if isinstance(obj, torch.optim.Optimizer):
                 _guard(self, obj, "step")
@@ -553,22 +504,37 @@ class UserLoop:
 
     def _first_bucket(self, session: Session, point: str = "step") -> None:
         """The first bucket of a step (the first collective, the first reduce-scatter of
-        a sharded model's): where ``PHALANX_FAULTS`` strike (:meth:`Session.strike`)."""
+        a sharded model's): where ``PHALANX_FAULTS`` strike and, in the job's first
+        step, every member passes a barrier first (:meth:`Session.strike`), after which
+        the step's collectives have the arrived bound."""
         self._hooked = True
-        if session.strike(self._bound, point):
+        try:
+            broke = session.strike(self._bound, point)
+        except CommError as err:  # the generation broke in the barrier
+            self.job.comm.release()  # the step's other collectives fail at once
+            self._fail(err)
+            return
+        self._bound = session.collective_bound_s()
+        if broke:
             self.job.comm.release()
             self._fail(
                 CommError(f"injected: {self.job.worker} broke its communicator in step {session.step}")
             )
 
 
+def _gradient_bytes(module: nn.Module) -> int:
+    """The bytes of ``module``'s trainable parameters (a sharded one's whole tensors):
+    at most what one gradient collective of a step moves."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
 def _follow_batch_plan(loop: UserLoop, world: int, changed: bool) -> None:
     """The batch the loop's new generation trains and the LR rule's scale for it
     (applied to the tracked learning rates), logged as the Trainer does."""
-    session, loader = loop.session, loop._loader
-    assert session is not None and loader is not None
+    session, data = loop.session, loop._data
+    assert session is not None and data is not None
     split = session.plan.batch if session.plan is not None else None
-    loop.effective_batch, scale = batch_and_scale(split, loader.batch_size or 0, world)
+    loop.effective_batch, scale = batch_and_scale(split, data.batch_size, world)
     if scale != loop.lr_scale:
         rescale_lrs(loop.tracked.values(), scale / loop.lr_scale)
         loop.lr_scale = scale

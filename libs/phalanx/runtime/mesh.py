@@ -212,6 +212,7 @@ class MeshGroup(dist.ProcessGroup):
         bound = guard.collective_bound_s() if guard is not None else None
         if bound is not None and guard is not None:
             guard.collective_started(bound, what)
+            bound = guard.collective_bound_s() or bound  # the job's first: past its barrier
             if opts is not None and hasattr(opts, "timeout"):
                 opts.timeout = timedelta(seconds=bound)
         start = time.perf_counter()

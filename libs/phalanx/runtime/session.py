@@ -146,6 +146,50 @@ class Recovery:
         self.marks[phase] = (start, end)
         return end
 
+    def report(self, member: Member, rank: int, generation: int, step: int) -> None:
+        """This recovery is over (its first step is done): export its phases as spans
+        of the incident's trace and announce it (``RECOVERED``). A job's start is
+        announced but not traced unless it restored from a checkpoint."""
+        phases_ms = {k: (e - s) * 1000.0 for k, (s, e) in self.marks.items()}
+        if self.role != "start" or self.incident or self.checkpoint_tier:
+            for name in PHASES:
+                if name not in self.marks:
+                    continue
+                s, e = self.marks[name]
+                span = _tracer.start_span(
+                    name,
+                    context=self.context,
+                    start_time=int(s * 1e9),
+                    attributes={
+                        "phalanx.job": member.job,
+                        "phalanx.worker": member.worker,
+                        "phalanx.rank": rank,
+                        "phalanx.generation": generation,
+                        "phalanx.incident": self.incident or "",
+                        "phalanx.role": self.role,
+                        "phalanx.step": step,
+                        "phalanx.bytes_received": self.bytes_received,
+                        "phalanx.reused_gradients": self.reused_grads,
+                        "phalanx.checkpoint.tier": self.checkpoint_tier,
+                    },
+                )
+                span.end(end_time=int(e * 1e9))
+        member.agent.publish(
+            RECOVERED,
+            RecoveryDone(
+                job=member.job,
+                generation=generation,
+                worker=member.worker,
+                rank=rank,
+                step=step,
+                incident=self.incident,
+                phases_ms=phases_ms,
+                bytes_received=self.bytes_received,
+            ),
+            job=member.job,
+            worker=member.worker,
+        )
+
 
 def unheld(steps: list[int], positions: list[Hashable] | None) -> bool:
     """Whether some member's state is held by nobody at the most advanced step: no
@@ -222,11 +266,15 @@ class Session:
         plan_timeout_s: float = 120.0,
         checkpoints: LastResort | ShardedLastResort | None = None,
         position: Callable[[int], Hashable] | None = None,
+        gradient_bytes: int = 0,
     ) -> None:
         """``position``: what a rank holds, for a sharded model (its mesh position,
         :meth:`phalanx.runtime.mesh.Mesh.position`): state moves between members at
-        the same position only, and a rank keeps its position for its whole life."""
+        the same position only, and a rank keeps its position for its whole life.
+        ``gradient_bytes``: what a step's gradient collectives move on this rank (at
+        most), which bounds the job's first all-reduce (:meth:`arrive`)."""
         self.job, self.state = job, state
+        self.gradient_bytes = gradient_bytes
         self.position = position
         self._held_position: Hashable = None  # this rank's, once it has joined
         self.checkpoints = checkpoints
@@ -269,16 +317,42 @@ class Session:
         self.job.status.enter_collective(bound_s)
 
     def strike(self, bound_s: float, point: str = "step") -> bool:
-        """Where ``PHALANX_FAULTS`` strike before a step's gradient all-reduce
-        (``step=N``, and ``collective=G`` in generation G's first), or at another
-        ``point`` of step N (``reduce``: a sharded model's first reduce-scatter);
-        True when one is ``break``, which the caller carries out."""
+        """The step's first gradient collective is about to start (``point`` "step";
+        ``reduce``: a sharded model's first reduce-scatter): ``PHALANX_FAULTS`` of
+        step N strike here; then, where no member has timed a step yet (the job's
+        first), every member passes the barrier before that collective
+        (:meth:`arrive`: raises :class:`CommError` when the generation breaks in it);
+        then the faults of generation G's first all-reduce (``collective=G``) strike,
+        inside it. True when one is ``break``, which the caller carries out.
+
+        The order is the detector's: a rank that spins or stalls before the barrier
+        is a straggler its waiting peers expose; past it, the rank is in COLLECTIVE
+        under the all-reduce's bound, so a hang there costs its peers that bound."""
         faults, worker = self.job.faults, self.job.worker
         enter = functools.partial(self.enter_collective, bound_s)
         broke = faults.fire(worker, point, self.step, enter_collective=enter)
         if point == "step" and self.bounds.first_of_generation:
+            if not broke:
+                self.arrive()
+            enter = functools.partial(self.enter_collective, self.collective_bound_s())
             broke = faults.fire(worker, "collective", self.generation, enter_collective=enter) or broke
         return broke
+
+    def arrive(self) -> None:
+        """Before the gradient all-reduce of a generation no member has timed a step
+        in (the job's first): a barrier under the initial bound, so that the all-reduce
+        after it is bounded in seconds (:mod:`.bounds`). Raises :class:`CommError`
+        when the generation breaks meanwhile; a no-op once measured or arrived.
+
+        It leaves the rank in COLLECTIVE under the all-reduce's bound: nothing but
+        that all-reduce follows, and a rank hung before it is judged as one inside it."""
+        if not self.bounds.unmeasured:
+            return
+        bound = self.bounds.initial_s_capped()
+        self.enter_collective(bound)
+        self.comm.barrier(bound)
+        self.bounds.arrived(self.gradient_bytes)
+        self.enter_collective(self.collective_bound_s())
 
     def allreduce_(self, t: torch.Tensor) -> None:
         """SUM ``t`` in place over the generation under the learned bound."""
@@ -330,7 +404,7 @@ class Session:
         status.enter(Phase.COMPUTE)
         if self.pending is not None:
             self.pending.mark("first_step", started)
-            self._report(self.pending)
+            self.pending.report(self.job, self.rank, self.generation, self.step)
             self.pending = None
 
     def finish(self, *, release: bool = True) -> None:
@@ -558,47 +632,6 @@ class Session:
             rec.checkpoint_tier = tier
         self.log.warning(
             "restored_from_checkpoint", step=step, tier=tier, seconds=round(time.perf_counter() - t0, 3)
-        )
-
-    def _report(self, rec: Recovery) -> None:
-        phases_ms = {k: (e - s) * 1000.0 for k, (s, e) in rec.marks.items()}
-        if rec.role != "start" or rec.incident or rec.checkpoint_tier:
-            for name in PHASES:
-                if name not in rec.marks:
-                    continue
-                s, e = rec.marks[name]
-                span = _tracer.start_span(
-                    name,
-                    context=rec.context,
-                    start_time=int(s * 1e9),
-                    attributes={
-                        "phalanx.job": self.job.job,
-                        "phalanx.worker": self.job.worker,
-                        "phalanx.rank": self.rank,
-                        "phalanx.generation": self.generation,
-                        "phalanx.incident": rec.incident or "",
-                        "phalanx.role": rec.role,
-                        "phalanx.step": self.step,
-                        "phalanx.bytes_received": rec.bytes_received,
-                        "phalanx.reused_gradients": rec.reused_grads,
-                        "phalanx.checkpoint.tier": rec.checkpoint_tier,
-                    },
-                )
-                span.end(end_time=int(e * 1e9))
-        self.job.agent.publish(
-            RECOVERED,
-            RecoveryDone(
-                job=self.job.job,
-                generation=self.generation,
-                worker=self.job.worker,
-                rank=self.rank,
-                step=self.step,
-                incident=rec.incident,
-                phases_ms=phases_ms,
-                bytes_received=rec.bytes_received,
-            ),
-            job=self.job.job,
-            worker=self.job.worker,
         )
 
 

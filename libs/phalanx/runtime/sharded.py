@@ -69,7 +69,7 @@ class StepGuard:
         if what.startswith("reduce_scatter") and self._reducing_in != session.step:
             self._reducing_in = session.step
             loop._first_bucket(session, "reduce")
-        session.enter_collective(bound_s)
+        session.enter_collective(self.collective_bound_s() or bound_s)  # _first_bucket may set it
 
     def collective_done(self, ms: float) -> None:
         session = self.loop.session

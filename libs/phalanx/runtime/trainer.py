@@ -150,6 +150,7 @@ class Trainer:
             rendezvous_timeout_s=rendezvous_timeout_s,
             plan_timeout_s=plan_timeout_s,
             checkpoints=checkpoints,
+            gradient_bytes=self.flat.numel() * self.flat.element_size(),
         )
         self._prefetched: tuple[int, list[Batch]] | None = None
         # This rank's own gradients of the step in flight, kept until its all-reduce
