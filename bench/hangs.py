@@ -28,6 +28,8 @@ Faults:
   is what moving the gradients takes, after a barrier (:mod:`phalanx.runtime.bounds`).
 - ``spare_rendezvous``: another rank dies at step 3; the spares hang inside their
   first rendezvous (``wedge:...@rendezvous=2``).
+- ``joiner_stall``: another rank dies at step 3; the spare that takes its rank stops
+  short of generation 2's rendezvous, heartbeating (``stall:...@recovery=2``).
 
 Faults from inside need Phalanx's fault injection, which an unmodified script does
 not run: its rung has ``sigstop`` and ``peer_dies`` (a SIGKILL from outside), the
@@ -81,7 +83,15 @@ from phalanx.devstack.jobwatch import JobResult
 from phalanx.devstack.localstack import LocalStack
 from phalanx.tracesummary import _from_file
 
-FAULTS = ("sigstop", "spin", "peer_dies", "first_allreduce", "job_first_allreduce", "spare_rendezvous")
+FAULTS = (
+    "sigstop",
+    "spin",
+    "peer_dies",
+    "first_allreduce",
+    "job_first_allreduce",
+    "spare_rendezvous",
+    "joiner_stall",
+)
 OUTSIDE = ("sigstop", "peer_dies")  # what an unmodified script can be given
 SPARES = 2
 
@@ -167,6 +177,7 @@ def _faults_spec(rung: Rung, fault: str, k: int) -> str:
         "job_first_allreduce": f"wedge:{rung.victim}@collective=1",
         "spare_rendezvous": f"kill:{rung.victim}@step=3,"
         + ",".join(f"wedge:{s}@rendezvous=2" for s in spares),
+        "joiner_stall": f"kill:{rung.victim}@step=3," + ",".join(f"stall:{s}@recovery=2" for s in spares),
     }[fault]
 
 

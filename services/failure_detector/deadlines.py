@@ -3,8 +3,9 @@ checked, so that a tick costs O(expired) rather than a pass over every sender.
 
 Instead of evaluating phi for every worker on every tick, each heartbeat computes
 the time at which its silence becomes a fault (:meth:`.liveness.Liveness.deadline`)
-and, in ``COMPUTE`` or ``COLLECTIVE``, when the stall or collective-hang rule
-would judge it (:mod:`.rules`); the earlier goes into the heap. Deadlines that
+and, in ``COMPUTE``, ``COLLECTIVE`` or ``RECOVERING``, when the stall, the
+collective-hang or the joiner rule would judge it (:mod:`.rules`); the earlier
+goes into the heap. Deadlines that
 move later (the usual case: another heartbeat) are not re-pushed but re-read when
 their entry comes up (:meth:`Deadlines.top_expired`).
 
@@ -34,7 +35,8 @@ class Kind(Enum):
     SILENCE = 0
     """A worker's silence."""
     STALL = 1
-    """A worker's stall (in COMPUTE) or collective hang (in COLLECTIVE)."""
+    """A worker's stall (in COMPUTE), collective hang (in COLLECTIVE) or failure to
+    reach the generation it joins (in RECOVERING)."""
     NODE = 2
     """A node's silence."""
 
@@ -120,14 +122,17 @@ class Deadlines:
                 if check is None or at < check:
                     w.check_at = at
                     self.push(at, Kind.STALL, w)
-        elif self._left and w.phase is Phase.COLLECTIVE and w.bound_ms > 0.0:
-            hang_at = self._rules.hang_at(w)
+        elif w.phase is Phase.COLLECTIVE or w.phase is Phase.RECOVERING:
+            if w.phase is Phase.COLLECTIVE:
+                judged_at = self._rules.hang_at(w) if self._left and w.bound_ms > 0.0 else None
+            else:
+                judged_at = self._rules.join_at(w)
             stall_at = w.stall_at
-            if hang_at is not None and (stall_at is None or hang_at < stall_at):
-                w.stall_at = hang_at
-                if check is None or hang_at < check:
-                    w.check_at = hang_at
-                    self.push(hang_at, Kind.STALL, w)
+            if judged_at is not None and (stall_at is None or judged_at < stall_at):
+                w.stall_at = judged_at
+                if check is None or judged_at < check:
+                    w.check_at = judged_at
+                    self.push(judged_at, Kind.STALL, w)
 
     def defer(self, kind: Kind, b: Worker | Node, until: float) -> None:
         """Put the verdict on ``b``, due now, off until ``until`` (checked again then)."""
@@ -202,8 +207,10 @@ class Deadlines:
             if stall_at is not None and (silence_at is None or stall_at < silence_at):
                 kind = Kind.STALL
                 real_stall: float | None
-                if w.phase is Phase.COLLECTIVE:  # the collective-hang rule
-                    real_stall = self._rules.hang_at(w)
+                if w.phase is Phase.COLLECTIVE or w.phase is Phase.RECOVERING:  # collective hang, joiner
+                    real_stall = (
+                        self._rules.hang_at(w) if w.phase is Phase.COLLECTIVE else self._rules.join_at(w)
+                    )
                     if real_stall is not None and w.last_arrival < hold:
                         real_stall = now + w.declared_s  # as below
                 elif w.phase is not Phase.COMPUTE:
@@ -235,6 +242,8 @@ class Deadlines:
                 if stall_at is not None and stall_at > now:  # (one that is due is checked on its own)
                     if w.phase is Phase.COLLECTIVE:
                         w.stall_at = stall_at = self._rules.hang_at(w)
+                    elif w.phase is Phase.RECOVERING:
+                        w.stall_at = stall_at = self._rules.join_at(w)
                     elif w.phase is not Phase.COMPUTE:
                         w.stall_at = stall_at = None
                     elif last >= hold:

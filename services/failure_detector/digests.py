@@ -129,7 +129,12 @@ class Digests:
                 w.progress_at, w.progress_wall = at, at_wall
                 w.step_start = at - phase_ms / 1e3 if phase is compute else at
             w.step, w.step_ms = step, step_ms
-            if stepped or phase is not w.phase or phase_ms < w.phase_ms:
+            if (
+                stepped
+                or phase is not w.phase
+                or phase_ms < w.phase_ms
+                or (phase is Phase.COLLECTIVE and w.collective_gen != generation)
+            ):
                 prev = w.phase
                 w.phase = phase
                 w.phase_start = at - phase_ms / 1e3

@@ -21,6 +21,15 @@
   warm-up they share is no fault, and a rank spinning while they wait is found in
   seconds. A pause every member takes together (an evaluation pass) leaves nobody
   waiting and is judged by the stall rule only.
+- **joiner that never arrives** (:meth:`Rules.join_at`, the same ``step_stall``
+  verdict): a rank ``RECOVERING`` in a generation it has taken but whose
+  collectives it has not reached (it reports the generation it joins from the
+  moment it takes the plan, then enters its rendezvous at once: nothing a script
+  does runs in between) while a peer waits in ``COLLECTIVE`` in that generation,
+  past ``straggle_floor`` in that phase and no sooner than half of it after the
+  first peer began to wait. A rank ``RECOVERING`` after its generation's
+  collectives (its data restore) is not judged by this rule, nor one waiting for a
+  plan.
 - **collective hang** (:meth:`Rules.hang_at`, :meth:`Rules.hang_incident`): a rank
   in ``COLLECTIVE`` past its own per-op bound plus slack
   (:meth:`Rules.collective_bound`) while a peer of the same job and generation has
@@ -111,8 +120,15 @@ class Rules:
             w.step_start = at - phase_ms / 1e3 if phase is Phase.COMPUTE else at
         w.step, w.step_ms = step, step_ms
         # A new phase, or the same one entered again between two heartbeats (seen by its
-        # shorter time in it, or by a step completed in between).
-        if fresh or stepped or phase is not w.phase or phase_ms < w.phase_ms:
+        # shorter time in it, by a step completed in between, or by a collective of
+        # another generation: a failed all-reduce, then the next one's rendezvous).
+        if (
+            fresh
+            or stepped
+            or phase is not w.phase
+            or phase_ms < w.phase_ms
+            or (phase is Phase.COLLECTIVE and w.collective_gen != w.generation)
+        ):
             prev = w.phase
             w.phase = phase
             w.phase_start = at - phase_ms / 1e3
@@ -123,9 +139,10 @@ class Rules:
     def entered(self, w: Worker, prev: Phase) -> None:
         """``w`` entered its phase (``w.phase``, since ``w.phase_start``) from ``prev``."""
         phase = w.phase
-        if phase is Phase.RECOVERING:  # it left this generation's collectives
+        if phase is Phase.RECOVERING:  # it left the collectives of the generation it was in
             self.mark_left(w)
         elif phase is Phase.COLLECTIVE:
+            w.collective_gen = w.generation
             self._note_waiting(w)
         elif phase is Phase.COMPUTE and prev is not Phase.COLLECTIVE and prev is not Phase.COMPUTE:
             w.step_start = w.phase_start  # a step begins after joining a generation
@@ -145,10 +162,12 @@ class Rules:
                 rec.reach_s = reach
 
     def mark_left(self, w: Worker) -> None:
-        """``w`` left its generation's collectives (it is RECOVERING since ``phase_start``)."""
-        left = self.left.get((w.job, w.generation))
+        """``w`` left the collectives of the generation it was last in (it is RECOVERING
+        since ``phase_start``; it may report the next one already, which it joins)."""
+        key = (w.job, w.collective_gen)
+        left = self.left.get(key)
         if left is None:
-            left = self.left[(w.job, w.generation)] = Left(w.phase_start)
+            left = self.left[key] = Left(w.phase_start)
         if w.worker not in left.workers:
             left.workers[w.worker] = w.phase_start
             left.first = min(left.first, w.phase_start)
@@ -175,6 +194,23 @@ class Rules:
         if rec is None or rec.step != w.step or w.worker in rec.workers:
             return None
         return rec
+
+    def joining(self, w: Worker) -> Waiting | None:
+        """The peers waiting in COLLECTIVE in the generation ``w`` has taken but not
+        reached (``w`` is RECOVERING in it), if any."""
+        if w.phase is not Phase.RECOVERING or w.collective_gen >= w.generation:
+            return None
+        return self.waiting.get((w.job, w.generation))
+
+    def join_at(self, w: Worker) -> float | None:
+        """When a rank that took a generation but never reached its collectives is
+        judged while peers wait for it there (module doc); None while none waits."""
+        rec = self.joining(w)
+        if rec is None:
+            return None
+        at = w.phase_start + self.straggle_floor
+        not_before = rec.since + 0.5 * self.straggle_floor
+        return at if at > not_before else not_before
 
     def straggle_bound(self, w: Worker, rec: Waiting) -> float:
         """Seconds ``w`` may stay in COMPUTE while ``rec``'s peers wait for it."""
@@ -273,10 +309,17 @@ class Rules:
         return NodeIncident(n.job, n.node, n.launcher, tuple(w for w, _ in n.workers), n.last_wall, evidence)
 
     def stall_incident(self, w: Worker, rank: int, generation: int, now: float) -> Incident:
-        """The verdict on a rank stalled in COMPUTE."""
-        since, since_wall = w.stall_since
-        rec = self.straggling(w)
-        bound = self.stall_bound(w) if rec is None else min(self.stall_bound(w), self.straggle_bound(w, rec))
+        """The verdict on a rank stalled in COMPUTE, or RECOVERING short of the
+        generation its peers wait in."""
+        if w.phase is Phase.RECOVERING:  # since it took the generation's plan
+            since, since_wall = w.phase_start, w.phase_start_wall
+            rec, bound = self.joining(w), self.straggle_floor
+        else:
+            since, since_wall = w.stall_since
+            rec = self.straggling(w)
+            bound = (
+                self.stall_bound(w) if rec is None else min(self.stall_bound(w), self.straggle_bound(w, rec))
+            )
         evidence: Evidence = {
             "phase": w.phase.value,
             "phase_ms": round((now - since) * 1e3, 1),

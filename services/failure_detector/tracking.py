@@ -68,6 +68,9 @@ class Worker(Beat):
     step_start: float = 0.0
     """When its current step began, as far as heard: its last step's completion, or its
     entry into COMPUTE from outside a step (a generation joined)."""
+    collective_gen: int = 0
+    """The generation whose collectives it was last heard in (its generation when first
+    heard): below ``generation`` while it is joining that one and has not arrived."""
     bound_ms: float = 0.0
     """The per-op timeout of its current (or last) all-reduce, as it reported (0: none)."""
     stall_at: float | None = None
@@ -148,6 +151,7 @@ class Tracking:
             token=next(self._tokens),
             rank=rank,
             generation=generation,
+            collective_gen=generation,
             declared_s=declared_s,
             last_arrival=at,
             last_wall=at_wall,

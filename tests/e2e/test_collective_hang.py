@@ -164,3 +164,32 @@ def test_rank_hung_in_a_recovery_collective_is_replaced_within_seconds(
         f" (bound {hung.evidence['bound_ms']} ms, in COLLECTIVE {hung.evidence['phase_ms']} ms)"
         f"\n{place} hang -> first step of generation 3 done {first_step_done - wedge['ts']:.2f} s"
     )
+
+
+def test_a_rank_that_took_generation_2_and_never_reaches_it_is_replaced(
+    stack: LocalStack, corpus: Path, reference: Reference, tmp_path: Path
+) -> None:
+    """The Trainer: after w1 is killed in step 5, w2 takes generation 2's plan and stops
+    short of its rendezvous (``stall:w2@recovery=2``, heartbeating): a joiner that never
+    arrives while its peers wait, judged ``step_stall`` in phase ``recovering``."""
+    import torch
+
+    save = tmp_path / "weights.pt"
+    result = stack.run_job(
+        "e2e-hang-joiner",
+        train_command(STEPS, corpus, *SMALL_GPT, save=save),
+        nproc=3,
+        spares=2,
+        faults="kill:w1@step=5,stall:w2@recovery=2",
+        global_batch=12,
+        timeout_s=180.0,
+    )
+    assert [(f.cause, f.worker) for f in result.faults] == [
+        (FaultCause.PROCESS_EXIT, "w1"),
+        (FaultCause.STEP_STALL, "w2"),
+    ], result.faults
+    hung = result.faults[1]
+    assert isinstance(hung, RankHung) and hung.generation == 2 and hung.evidence["phase"] == "recovering"
+    assert actions(result) == [Action.START, Action.REPLACE, Action.REPLACE]
+    assert_recovered(result, generation=3)
+    assert_bitwise_equal(torch.load(save) if save.exists() else None, reference(3))

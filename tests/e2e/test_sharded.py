@@ -142,6 +142,20 @@ def test_a_rank_hung_joining_a_new_generation_is_replaced(
     assert_bitwise_equal(weights, reference)
 
 
+def test_a_rank_that_took_its_generation_and_never_reaches_it_is_replaced(
+    run: Run, reference: dict[str, torch.Tensor]
+) -> None:
+    # w2 dies in step 3; w3 (the other shard's replica) takes generation 2's plan and
+    # stops short of its rendezvous, heartbeating: the joiner rule finds it
+    result, weights = run(spares=2, faults="kill:w2@step=3,stall:w3@recovery=2")
+    hung = result.faults[-1]
+    assert isinstance(hung, RankHung) and (hung.cause, hung.worker) == (FaultCause.STEP_STALL, "w3")
+    assert hung.generation == 2 and hung.evidence["phase"] == "recovering", hung.evidence
+    assert actions(result) == [Action.START, Action.REPLACE, Action.REPLACE]
+    assert_recovered(result, generation=3, nproc=NPROC)
+    assert_bitwise_equal(weights, reference)
+
+
 def test_a_rank_hung_inside_the_job_s_first_collective_costs_seconds_not_a_minute(
     run: Run, reference: dict[str, torch.Tensor]
 ) -> None:

@@ -157,6 +157,27 @@ def test_a_rank_hung_inside_the_job_s_first_all_reduce_costs_seconds_not_a_minut
     print(f"\nhung in the job's first all-reduce: {hung.evidence}")
 
 
+@pytest.mark.parametrize(
+    ("faults", "stuck", "generation"),
+    [("stall:w1@recovery=1", "w1", 1), ("kill:w1@step=3,stall:w2@recovery=2", "w2", 2)],
+    ids=["job_start", "new_generation"],
+)
+def test_a_rank_that_took_its_generation_and_never_reaches_it_is_replaced(
+    run: Run, reference: dict[str, torch.Tensor], faults: str, stuck: str, generation: int
+) -> None:
+    """The stuck rank took the plan (it reports the generation, RECOVERING) and stops
+    short of its rendezvous, heartbeating, while its peers wait there: judged by the
+    joiner rule in seconds, where its peers re-formed with it until the job stopped."""
+    result, weights, _ = run(spares=2, faults=faults)
+    hung = result.faults[-1]
+    assert isinstance(hung, RankHung) and hung.cause is FaultCause.STEP_STALL, result.faults
+    assert (hung.worker, hung.generation, hung.evidence["phase"]) == (stuck, generation, "recovering")
+    assert actions(result)[-1] is Action.REPLACE
+    assert_recovered(result, generation=generation + 1)
+    assert_bitwise_equal(weights, reference)
+    print(f"\nstuck short of generation {generation}: {hung.evidence}")
+
+
 PORT = [sys.executable, "-m", "examples.ddp_phalanx", *SIZE]
 # rank 0 evaluates 3 s every 4 steps while the others wait: past the straggler
 # floor (1.5 s) and the gradient all-reduce's (2 s) each time

@@ -900,6 +900,113 @@ def test_a_peer_seen_in_collective_at_two_steps_in_a_row_still_counts_as_waiting
     ]
 
 
+# -- the joiner rule ---------------------------------------------------------------------
+def _after_a_failed_step(n: int = 3) -> tuple[Detector, FakeClock, list[Rank]]:
+    """``n`` ranks of generation 1 that trained 3 steps of 100 ms, then left its
+    collectives (RECOVERING in generation 1, waiting for the next plan); each reports a
+    60 s all-reduce bound, so that only the rule under test can judge anyone."""
+    det, clock = make(stall_floor_s=60.0, stall_initial_s=60.0)
+    ranks = [Rank(det, clock, f"w{i}", rank=i, pid=10 + i) for i in range(n)]
+    for r in ranks:
+        r.bound_ms = 60e3
+    for _ in range(3):
+        for r in ranks:
+            r.enter(Phase.COMPUTE)
+        assert run(clock, det, ranks, 0.07) == []
+        for r in ranks:
+            r.enter(Phase.COLLECTIVE)
+        assert run(clock, det, ranks, 0.03) == []
+        for r in ranks:
+            r.complete_step(100.0)
+    for r in ranks:
+        r.enter(Phase.RECOVERING)
+    assert run(clock, det, ranks, 1.0) == []  # a second waiting for the plan: no fault
+    return det, clock, ranks
+
+
+def _take_plan(r: Rank, generation: int) -> None:
+    r.generation = generation
+    r.enter(Phase.RECOVERING)  # RankStatus.join
+
+
+def test_a_rank_that_took_a_generation_and_never_reaches_it_is_judged_while_its_peers_wait() -> None:
+    """Its peers arrived at generation 2's rendezvous; it took the plan (it reports
+    generation 2, RECOVERING) and stopped there: judged after the straggle floor."""
+    det, clock, ranks = _after_a_failed_step()
+    taken = clock.monotonic()
+    for r in ranks:
+        _take_plan(r, 2)
+    for r in ranks[:2]:
+        r.enter(Phase.COLLECTIVE)  # the arrival wait
+    out: list = []
+    while not out and clock.monotonic() < taken + 5.0:
+        out = run(clock, det, ranks, 0.05)
+    at = clock.monotonic()
+    [v] = out
+    assert (v.worker, v.cause, v.generation) == ("w2", FaultCause.STEP_STALL, 2)
+    assert v.evidence["phase"] == "recovering" and v.evidence["bound_ms"] == 1500.0
+    assert v.evidence["peers_waiting"] == "w0,w1"
+    assert taken + 1.5 <= at <= taken + 1.5 + 3 * I
+
+
+def test_peers_heard_only_in_collective_before_and_after_the_plan_wait_in_the_new_generation() -> None:
+    """No heartbeat of the peers' went out between their failed all-reduce (generation 1,
+    heard 10 ms into it) and their arrival wait (generation 2, heard 60 ms into it): the
+    same phase with a longer time in it, but another generation's collective, so they
+    wait there, and the spare stuck short of it is judged."""
+    det, clock = make(stall_floor_s=60.0, stall_initial_s=60.0)
+    peers = [Rank(det, clock, f"w{i}", rank=i, pid=10 + i) for i in range(2)]
+    spare = Rank(det, clock, "w3", rank=-1, pid=23, phase=Phase.IDLE, generation=0)
+    for r in peers:
+        r.bound_ms = 60e3
+        r.complete_step(100.0)
+    assert run(clock, det, [*peers, spare], 0.5) == []
+    for r in peers:
+        r.enter(Phase.COLLECTIVE)
+    clock.advance(0.01)
+    for r in peers:
+        r.beat()
+    clock.advance(0.05)
+    _take_plan(spare, 2)
+    for r in peers:  # failed, took the plan, arrived: COLLECTIVE again, 60 ms in by the next beat
+        r.generation, r.phase_since = 2, clock.monotonic() - 0.01
+    clock.advance(0.05)
+    out = run(clock, det, [*peers, spare], 5.0)
+    assert [(v.worker, v.cause, v.evidence["peers_waiting"]) for v in out] == [
+        ("w3", FaultCause.STEP_STALL, "w0,w1")
+    ]
+
+
+def test_a_stuck_spare_is_judged_and_a_prompt_one_is_not() -> None:
+    det, clock, ranks = _after_a_failed_step(2)
+    spares = [Rank(det, clock, f"w{i}", rank=-1, pid=20 + i, phase=Phase.IDLE, generation=0) for i in (3, 4)]
+    assert run(clock, det, ranks + spares, 0.5) == []
+    for r in [*ranks, *spares]:
+        _take_plan(r, 2)
+    for r in [*ranks, spares[0]]:
+        r.enter(Phase.COLLECTIVE)
+    out = run(clock, det, ranks + spares, 5.0)
+    assert [(v.worker, v.cause) for v in out] == [("w4", FaultCause.STEP_STALL)]
+
+
+def test_a_rank_restoring_after_its_generation_s_collectives_or_waiting_for_a_plan_is_not_judged() -> None:
+    """RECOVERING after generation 2's rendezvous and state transfer (its data restore),
+    or RECOVERING in generation 1 waiting for a plan while its peers still wait in
+    generation 1's collective: neither is a joiner that never arrived."""
+    det, clock, ranks = _after_a_failed_step()
+    for r in ranks:
+        _take_plan(r, 2)
+        r.enter(Phase.COLLECTIVE)
+    assert run(clock, det, ranks, 0.3) == []
+    ranks[2].enter(Phase.RECOVERING)  # a slow data restore
+    assert run(clock, det, ranks, 5.0) == []
+
+    det, clock, ranks = _after_a_failed_step()
+    for r in ranks[:2]:
+        r.enter(Phase.COLLECTIVE)  # (heard in generation 1's collective again)
+    assert run(clock, det, ranks, 5.0) == []
+
+
 def test_done_entries_and_empty_nodes_make_no_verdict() -> None:
     det, clock = make()
     node = SimNode(det, clock, 0, random.Random(1), ranks=2)

@@ -512,10 +512,9 @@ class Session:
         state transfer, the data restore. From the rendezvous on this rank reports the
         generation it joins, and each collective's bound, so a hang in any is seen."""
         job, status, bounds = self.job, self.job.status, self.bounds
-        status.enter(Phase.RECOVERING)
+        status.join(rank, plan.generation)
         job.faults.fire(job.worker, "recovery", plan.generation)
         t = time.time()
-        status.rank, status.generation = rank, plan.generation
         status.enter_collective(bounds.arrival_s())
 
         def connecting() -> None:

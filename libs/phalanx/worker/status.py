@@ -42,6 +42,14 @@ class RankStatus:
             self.phase_since = time.monotonic()
             self.phase = phase
 
+    def join(self, rank: int, generation: int) -> None:
+        """Took ``generation``'s plan as ``rank``: RECOVERING in that generation from now,
+        short of its collectives (a rank that stays so while its peers wait there is
+        judged: the detector's joiner rule)."""
+        self.phase_since = time.monotonic()
+        self.phase = Phase.RECOVERING
+        self.rank, self.generation = rank, generation
+
     def enter_collective(self, bound_s: float) -> None:
         """Into a collective that may take ``bound_s``, timed from now also when the
         rank was in another one (a rendezvous, then the state transfer that follows)."""
