@@ -183,7 +183,7 @@ async def test_a_rank_cannot_publish_a_plan(srv: AuthServer) -> None:
 
     observer = await srv.connect("observer")  # the planner sends plans; it does not receive them
     await observer.nc.subscribe(PLAN.format(job=JOB), cb=on_core)
-    await observer.nc.flush()
+    await observer.flush()
     planner.consume(COMMANDS, "auth-plans", [PLAN.wildcard()], on_stream, (Plan,))
 
     forged = plan(99, "forged by a rank")
@@ -192,7 +192,7 @@ async def test_a_rank_cannot_publish_a_plan(srv: AuthServer) -> None:
             await rank.publish(PLAN, forged, job=JOB, msg_id="forged")
         payload, headers = encode(forged)
         await rank.nc.publish(PLAN.format(job=JOB), payload, headers=headers)  # core: refused just the same
-        await rank.nc.flush()
+        await rank.flush()
         await wait_for(lambda: len(refusals(logs, PLAN.format(job=JOB))) >= 2, "both refusals logged")
     line = refusals(logs, PLAN.format(job=JOB))[0]
     assert line["operation"] == "publish" and line["user"] == "rank" and line["log_level"] == "error"
@@ -262,7 +262,7 @@ async def test_a_rank_cannot_read_another_users_replies(srv: AuthServer) -> None
     rank = await srv.connect("rank", name="rank-w0")
     with capture_logs() as logs:
         await rank.nc.subscribe("_INBOX.planner.>")
-        await rank.nc.flush()
+        await rank.flush()
         await wait_for(lambda: bool(refusals(logs, "_INBOX.planner.>")), "the refused subscription logged")
     assert refusals(logs, "_INBOX.planner.>")[0]["operation"] == "subscription"
 
@@ -296,7 +296,7 @@ async def test_heartbeats_and_registrations_from_a_rank_are_delivered(srv: AuthS
         beats.append(msg)
 
     await detector.subscribe(HEARTBEAT.wildcard(job=JOB), on_beat, Heartbeat, trace_messages=False)
-    await detector.nc.flush()
+    await detector.flush()
     beat = Heartbeat(
         job=JOB,
         worker="w0",
@@ -388,7 +388,7 @@ async def test_a_message_on_another_jobs_subject_is_refused_and_changes_nothing(
 
     for family in ("hb", "evt", "cmd"):  # everything of the other job, as it happens
         await observer.nc.subscribe(f"phalanx.{family}.{OTHER}.>", cb=on_msg)
-    await observer.nc.flush()
+    await observer.flush()
 
     forged_error = CollectiveError(job=OTHER, worker="w0", rank=0, generation=1, step=3, error="forged")
     forged_spec = JobSpec(job=OTHER, launcher="L-forged", ranks=1, global_batch=4, workers=["w0"])
@@ -401,7 +401,7 @@ async def test_a_message_on_another_jobs_subject_is_refused_and_changes_nothing(
             return_exceptions=True,
         )
         assert all(isinstance(r, PermissionDenied) for r in results), results
-        await intruder.nc.flush()
+        await intruder.flush()
         subjects = [
             HEARTBEAT.format(job=OTHER, worker="w0"),
             COMM_ERROR.format(job=OTHER, worker="w0"),
@@ -443,10 +443,10 @@ async def test_a_worker_cannot_heartbeat_as_another(srv: AuthServer) -> None:
         beats.append(msg)
 
     await detector.subscribe(HEARTBEAT.wildcard(job=JOB), on_beat, Heartbeat, trace_messages=False)
-    await detector.nc.flush()
+    await detector.flush()
     with capture_logs() as logs:
         await w0.publish(HEARTBEAT, beat(JOB, "w1", seq=1), traced=False, job=JOB, worker="w1")
-        await w0.nc.flush()
+        await w0.flush()
         await wait_for(lambda: bool(refusals(logs, HEARTBEAT.format(job=JOB, worker="w1"))), "the refusal")
     await w0.publish(HEARTBEAT, beat(JOB, "w0", seq=2), traced=False, job=JOB, worker="w0")
     await wait_for(lambda: bool(beats), "w0's own heartbeat")
@@ -483,7 +483,7 @@ async def test_a_jobs_rank_follows_its_record_and_reads_nothing_else(srv: AuthSe
         with pytest.raises(nats.errors.TimeoutError):  # ... or by a consumer of its own
             await rank_js.pull_subscribe(f"phalanx.evt.{OTHER}.>", durable="peek", stream=EVENTS.name)
         await rank.nc.subscribe(f"phalanx.evt.{OTHER}.>")  # core: refused as well
-        await rank.nc.flush()
+        await rank.flush()
         await wait_for(lambda: bool(refusals(logs, f"phalanx.evt.{OTHER}.>")), "the refused subscription")
     for api in (f"$KV.{JOBS_BUCKET}.{JOB}.plan", f"$JS.API.STREAM.MSG.GET.{EVENTS.name}"):
         assert api.lower() in rank.denied, api
@@ -601,7 +601,7 @@ async def test_another_jobs_users_cannot_read_a_jobs_plan_or_its_secret(srv: Aut
             )
             assert json.loads(reply.data)["error"]["err_code"] == 10131, reply.data
             await intruder.nc.subscribe(PLAN.format(job=JOB))  # the plan subject: refused as well
-            await intruder.nc.flush()
+            await intruder.flush()
             await wait_for(lambda: bool(refusals(logs, PLAN.format(job=JOB))), "the refused subscription")
         denied = {
             f"{api}.DIRECT.GET.{KV_STREAM}.{key}",
@@ -768,7 +768,7 @@ async def test_tls_with_authorization_the_ca_connects_and_plaintext_is_refused(
             beats.append(raw.subject)
 
         await observer.nc.subscribe(HEARTBEAT.wildcard(job=JOB), cb=on_msg)
-        await observer.nc.flush()
+        await observer.flush()
         await rank.publish(HEARTBEAT, beat(JOB, "w0"), traced=False, job=JOB, worker="w0")
         reg = Registered(job=JOB, worker="w0", role=Role.RANK, host="h", pid=1)
         await rank.publish(REGISTERED, reg, job=JOB, msg_id="tls-reg")  # JetStream, acknowledged over TLS

@@ -112,7 +112,7 @@ class FakePlanner:
 
     async def start(self) -> FakePlanner:
         await self.bus.nc.subscribe(PROPOSAL.format(job=JOB), cb=self._on_proposal)
-        await self.bus.nc.flush()  # the server has the subscription before any proposal comes
+        await self.bus.flush()  # the server has the subscription before any proposal comes
         return self
 
     async def _on_proposal(self, raw: Msg) -> None:

@@ -82,7 +82,7 @@ class Events:
 
         for subject in ("phalanx.evt.*.failed", "phalanx.evt.*.hung", "phalanx.err.failure-detector"):
             await bus.nc.subscribe(subject, cb=cb)
-        await bus.nc.flush()
+        await bus.flush()
 
     def verdicts(self, worker: str | None = None) -> list[RankFailed | RankHung]:
         return [
@@ -705,7 +705,7 @@ async def test_a_flood_of_malformed_heartbeats_is_rate_limited_and_blinds_nothin
             )
             if k % 250 == 0:
                 await asyncio.sleep(0)  # the ranks' heartbeats go out in between
-        await bus.nc.flush()
+        await bus.flush()
 
     flooding = asyncio.create_task(send())
     ranks["w1"].silence()  # silenced while the flood goes on

@@ -63,7 +63,7 @@ class Events:
             "phalanx.err.failure-detector",
         ):
             await bus.nc.subscribe(subject, cb=cb)
-        await bus.nc.flush()
+        await bus.flush()
 
     def verdicts(self) -> list[RankFailed | RankHung | NodeLost]:
         return [m for m in self.items if isinstance(m, RankFailed | RankHung | NodeLost)]

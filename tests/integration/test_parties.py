@@ -182,7 +182,7 @@ class Stage:
             if s is HEALTH:
                 continue
             await self.admin.nc.publish(s.format(**{**TOKENS, "service": service}), b"\xc1 not msgpack")
-        await self.admin.nc.flush()
+        await self.admin.flush()
         deadline = asyncio.get_running_loop().time() + (WAIT_S if party in PARTIES[ERROR.pattern][0] else 1.5)
         while asyncio.get_running_loop().time() < deadline:
             if any(subject_matches(ERROR.wildcard(), p) for p in self.recorder.of(who).published):

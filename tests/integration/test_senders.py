@@ -222,7 +222,7 @@ async def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
                 ERROR.wildcard(),
             ):
                 await admin.nc.subscribe(subject, cb=seen.on_msg)
-            await admin.nc.flush()
+            await admin.flush()
             # A broken generation re-forms quickly: an attack would show.
             planner = ElasticityPlanner(
                 await srv.connect("elasticity-planner", "planner", ensure=True),
@@ -295,7 +295,7 @@ async def _join(bus: Bus, admin: Bus, node: str, workers: list[str]) -> NodeJoin
 async def _quiet(job: Job, seconds: float) -> None:
     """Let the services act on what they were sent: past the planner's comm grace and
     several detector intervals (what an accepted forgery would have caused by then)."""
-    await job.planner.bus.nc.flush()
+    await job.planner.bus.flush()
     await asyncio.sleep(seconds)
 
 

@@ -96,7 +96,7 @@ async def test_digest_carries_the_latest_heartbeat_with_its_age(bus: Bus, node: 
         heard.append(decode(raw.data, raw.headers, NodeDigest))
 
     await bus.nc.subscribe(NODE_DIGEST.format(job="j1", node="node-a"), cb=cb)
-    await bus.nc.flush()
+    await bus.flush()
     await wait_until(lambda: node.published == 1, "the first digest")  # published at start
     node.expect("node-a-w0", os.getpid())
     node.expect("node-a-w1", os.getpid())
@@ -196,7 +196,7 @@ async def test_stop_publishes_a_last_digest_and_removes_the_socket(bus: Bus, soc
     await pub.start()
     await wait_until(lambda: pub.published == 1, "the first digest")
     await pub.stop()
-    await bus.nc.flush()
+    await bus.flush()
     await wait_until(lambda: len(heard) == 2, "start and stop digests")
     assert [d.seq for d in heard] == [0, 1] and not (sock_dir / "s").exists()
     with pytest.raises(ValueError):

@@ -242,7 +242,14 @@ class Bus:
 
     async def flush(self, timeout_s: float = 2.0) -> None:
         """Wait until the server has seen everything sent so far (a PING answered), and so
-        every message it sent before its answer has arrived."""
+        every message it sent before its answer has arrived.
+
+        Use this, not ``nc.flush()``: nats-py (2.15, 2.16) writes that PING straight to the
+        socket, ahead of the commands still queued for its flusher task, so a ``SUB`` made
+        just before could reach the server after the PONG, and a message another connection
+        publishes then was not delivered to it. Handing the queue to the socket first keeps
+        the order (``_flush_pending`` is nats-py's own way in; there is no public one)."""
+        await self.nc._flush_pending(force_flush=True)
         await self.nc.flush(timeout=timeout_s)  # type: ignore[arg-type]  # seconds, float is fine
 
     async def close(self, grace_s: float = 3.0) -> None:
