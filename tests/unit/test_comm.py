@@ -86,6 +86,15 @@ def run_ranks(n: int, fn: Callable[[int], Any], join_s: float = JOIN_S) -> list[
     return results
 
 
+def together(n: int) -> threading.Barrier:
+    """Where the ranks' threads wait before they destroy their groups. Here the ranks are
+    threads of one process, so a group's destroy cuts every socket that appeared while it
+    was built, the other ranks' too (SocketSet's documented limit; a job runs one rank per
+    process): a thread that destroyed its group before its peers had read the last op's
+    data broke their op, about one try in ten of a 3-rank barrier."""
+    return threading.Barrier(n, timeout=JOIN_S)
+
+
 def _comm(store: ThreadedStore, prefix: str, rank: int, n: int, timeout_s: float = 30.0) -> Group:
     client = connect_store(_addr(store))
     arrival_barrier(client, prefix, rank, n, lambda: False, timeout_s=JOIN_S)
@@ -156,11 +165,14 @@ def test_arrival_barrier_times_out_naming_the_missing(store: ThreadedStore, pref
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_allreduce_sum(store: ThreadedStore, prefix: str, n: int) -> None:
+    done = together(n)
+
     def rank(r: int) -> torch.Tensor:
         comm = _comm(store, prefix, r, n)
         t = torch.tensor([float(r + 1), 10.0 * r, -1.0])
         comm.allreduce_sum_(t)
         comm.barrier()
+        done.wait()
         comm.destroy()
         return t
 
@@ -170,6 +182,8 @@ def test_allreduce_sum(store: ThreadedStore, prefix: str, n: int) -> None:
 
 
 def test_send_recv_with_tags(store: ThreadedStore, prefix: str) -> None:
+    done = together(2)
+
     def rank(r: int) -> torch.Tensor | None:
         comm = _comm(store, prefix, r, 2)
         if r == 0:
@@ -183,6 +197,7 @@ def test_send_recv_with_tags(store: ThreadedStore, prefix: str) -> None:
             comm.recv(b, 0, tag=8)
             out = torch.cat([a, b.to(torch.int64)])
         comm.barrier()
+        done.wait()
         comm.destroy()
         return out
 
@@ -304,12 +319,15 @@ def test_without_the_generations_secret_a_client_neither_sees_nor_forges_its_key
     with pytest.raises(CommError, match="timed out"):  # the plant does not complete rank 0's barrier
         arrival_barrier(lone, prefix, 0, 2, lambda: False, timeout_s=0.5)
 
+    done = together(2)
+
     def rank(r: int) -> list[float]:
         client = generation_store(connect_unproved(_addr(store)), secret)
         arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
         comm = Group(client, prefix, r, 2)
         t = torch.full((2,), float(r + 1))
         comm.allreduce_sum_(t)
+        done.wait()
         comm.destroy()
         return t.tolist()
 
@@ -370,12 +388,15 @@ def test_communicator_on_cuda_without_cuda_is_a_clear_error(store: ThreadedStore
 
 
 def test_cpu_device_is_the_default_path(store: ThreadedStore, prefix: str) -> None:
+    done = together(2)
+
     def rank(r: int) -> tuple[torch.device, torch.Tensor]:
         client = connect_store(_addr(store))
         arrival_barrier(client, prefix, r, 2, lambda: False, timeout_s=JOIN_S)
         comm = Group(client, prefix, r, 2, 30.0, None, torch.device("cpu"))
         t = torch.tensor([float(r + 1)])
         comm.allreduce_sum_(t)
+        done.wait()
         comm.destroy()
         return comm.device, t
 
