@@ -206,19 +206,23 @@ class SimulatedNodes:
             for k in nodes
         }  # fmt: skip
         # per rank: (when it first heard, fragments before seq, before step, after step by
-        # the parity of the step (phase), after age_ms)
+        # the parity of the step (phase), after age_ms by the same parity (op))
         self._ranks = {
             k: [
                 (
                     self.t0 + self.phase[(k, j)],
-                    b"\x8c" + pk("worker") + pk(sim_worker(k, j)) + pk("pid") + pk(sim_pid(k, j)) + pk("seq"),
+                    b"\x8d" + pk("worker") + pk(sim_worker(k, j)) + pk("pid") + pk(sim_pid(k, j)) + pk("seq"),
                     pk("rank") + pk(k * PER_NODE + j) + pk("generation") + pk(1) + pk("step"),
                     tuple(
                         pk("step_ms") + pk(interval * 800) + pk("phase") + pk(phase)
                         + pk("phase_ms") + pk(self.phase_ms[(k, j)]) + pk("age_ms")
                         for phase in ("compute", "collective")
                     ),
-                    pk("interval_ms") + pk(interval * 1e3) + pk("collective_bound_ms") + pk(SIM_BOUND_MS),
+                    tuple(
+                        pk("interval_ms") + pk(interval * 1e3) + pk("collective_bound_ms") + pk(SIM_BOUND_MS)
+                        + pk("op") + pk(op)
+                        for op in (0, 1)  # in compute after the step, in its one collective
+                    ),
                 )
                 for j in range(PER_NODE)
             ]
@@ -246,6 +250,7 @@ class SimulatedNodes:
             "age_ms": max(0.0, (now - heard) * 1e3),
             "interval_ms": self.interval * 1e3,
             "collective_bound_ms": SIM_BOUND_MS,
+            "op": m % 2,
         }
 
     def digest(self, k: int, now: float, ts: float) -> dict[str, Any]:
@@ -280,7 +285,7 @@ class SimulatedNodes:
                 packed,
                 after_step[m & 1],
                 _F64(0xCB, age if age > 0.0 else 0.0),
-                tail,
+                tail[m & 1],
             )
         head, mid, end = self._node_parts[k]
         count = len(parts) // 7

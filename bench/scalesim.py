@@ -284,6 +284,7 @@ class Simulator:
                 age_ms=ms * 0.5,
                 interval_ms=ms,
                 collective_bound_ms=2000.0,
+                op=m % 2,
             )
             for w in n.registered
         ]

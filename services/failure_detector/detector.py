@@ -237,7 +237,7 @@ class Detector:
         self.stats.heartbeats += 1
         w.rank, w.generation, w.host = hb.rank, hb.generation, hb.host
         w.bound_ms = hb.collective_bound_ms
-        self._rules.learn(w, hb.phase, hb.phase_ms, hb.step, hb.step_ms, now, hb.ts, fresh)
+        self._rules.learn(w, hb.phase, hb.phase_ms, hb.step, hb.step_ms, now, hb.ts, fresh, hb.op)
         self._deadlines.schedule_worker(w)
         return True
 

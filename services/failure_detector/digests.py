@@ -26,9 +26,9 @@ from phalanx.contract import DigestEntry, Phase
 
 __all__ = ["DigestRow", "Digests", "digest_row"]
 
-DigestRow = tuple[str, int, int, int, int, int, float, Phase, float, float, float, float]
+DigestRow = tuple[str, int, int, int, int, int, float, Phase, float, float, float, float, int]
 """One digest entry as the detector reads it: ``(worker, pid, seq, rank, generation,
-step, step_ms, phase, phase_ms, age_ms, interval_ms, collective_bound_ms)``, the fields of
+step, step_ms, phase, phase_ms, age_ms, interval_ms, collective_bound_ms, op)``, the fields of
 :class:`~phalanx.contract.DigestEntry` in order (a tuple: 16,000 of them per interval)."""
 
 
@@ -36,7 +36,7 @@ def digest_row(e: DigestEntry) -> DigestRow:
     """The :data:`DigestRow` of a validated entry."""
     return (
         e.worker, e.pid, e.seq, e.rank, e.generation, e.step, e.step_ms,
-        e.phase, e.phase_ms, e.age_ms, e.interval_ms, e.collective_bound_ms,
+        e.phase, e.phase_ms, e.age_ms, e.interval_ms, e.collective_bound_ms, e.op,
     )  # fmt: skip
 
 
@@ -91,9 +91,21 @@ class Digests:
         entered, compute = self._rules.entered, Phase.COMPUTE
         schedule = self._deadlines.schedule_worker
         for row in rows:
-            worker, pid, seq, rank, generation, step, step_ms, phase, phase_ms, age_ms, interval_ms, bound = (
-                row
-            )
+            (
+                worker,
+                pid,
+                seq,
+                rank,
+                generation,
+                step,
+                step_ms,
+                phase,
+                phase_ms,
+                age_ms,
+                interval_ms,
+                bound,
+                op,
+            ) = row
             w = tracked.get((job, worker))
             age = age_ms / 1e3
             at, at_wall = now - age, wall - age  # when the launcher received the heartbeat
@@ -131,10 +143,12 @@ class Digests:
             w.step, w.step_ms = step, step_ms
             if (
                 stepped
+                or op != w.op
                 or phase is not w.phase
                 or phase_ms < w.phase_ms
                 or (phase is Phase.COLLECTIVE and w.collective_gen != generation)
             ):
+                w.op = op
                 prev = w.phase
                 w.phase = phase
                 w.phase_start = at - phase_ms / 1e3
@@ -211,7 +225,7 @@ class Digests:
     ) -> bool:
         """A digest entry off the hot path: a goodbye, no news, or a new incarnation.
         True when it carried a new heartbeat."""
-        worker, pid, seq, rank, generation, step, step_ms, phase, phase_ms, _, interval_ms, bound_ms = row
+        worker, pid, seq, rank, generation, step, step_ms, phase, phase_ms, _, interval_ms, bound_ms, op = row
         tracking = self._tracking
         closed = False
         if w is None or w.pid != pid:
@@ -229,7 +243,7 @@ class Digests:
                 last = w.last_arrival
                 w.last_arrival, w.last_wall, w.last_seq = (at if at > last else last), at_wall, seq
                 w.rank, w.generation, w.bound_ms, w.heard_digest = rank, generation, bound_ms, n.last_seq
-                self._rules.learn(w, phase, phase_ms, step, step_ms, at, at_wall, False)
+                self._rules.learn(w, phase, phase_ms, step, step_ms, at, at_wall, False, op)
                 self._deadlines.schedule_worker(w)
                 return True
             # no news (news took the hot path): a verdict deferred while the node was silent is due again
@@ -245,6 +259,6 @@ class Digests:
         )
         w.node, w.digest_s, w.bound_ms, w.heard_digest = n.key, digest_s, bound_ms, n.last_seq
         w.seq_interval = interval_ms / 1e3  # (0 when the launcher does not know it: learned first)
-        self._rules.learn(w, phase, phase_ms, step, step_ms, at, at_wall, True)
+        self._rules.learn(w, phase, phase_ms, step, step_ms, at, at_wall, True, op)
         self._deadlines.schedule_worker(w)
         return True

@@ -12,8 +12,12 @@
   stalled peer and are never judged by this rule; nor are ``IDLE`` spares or
   ``STARTING``/``RECOVERING`` ranks.
 - **straggler** (:meth:`Rules.stall_at`, the same ``step_stall`` verdict): a rank in
-  ``COMPUTE`` while a peer of its generation waits in ``COLLECTIVE`` at the same step
-  (:class:`Waiting`) is judged by its peers' pace instead of a constant: once in
+  ``COMPUTE`` while a peer of its generation waits in ``COLLECTIVE`` in a collective
+  of the same step it has not entered (:class:`Waiting`: each heartbeat counts the
+  step's collectives entered, ``op``, and members enter the same ones in the same
+  order; a rank heard in an earlier one of the step, an FSDP all-gather or DDP's
+  buffer broadcast, still owes the later ones) is judged by its peers' pace instead
+  of a constant: once in
   ``COMPUTE`` past ``max(straggle_floor, stall_factor x max(the longest the waiting
   peers took from their step's start to the collective, its own slowest recent
   step))``, and no sooner than half the floor after the first peer began to wait.
@@ -58,10 +62,13 @@ __all__ = ["Left", "Rules", "Waiting"]
 
 @dataclass(slots=True)
 class Waiting:
-    """The workers of one (job, generation) heard waiting in COLLECTIVE at one step."""
+    """The workers of one (job, generation) heard waiting in one collective of one step."""
 
     step: int
     """Steps they had completed (a straggler at the same count owes them this step)."""
+    op: int
+    """Which collective of the step (the count entered, ``Heartbeat.op``): a straggler
+    at a lower count owes them this one."""
     since: float
     """When (monotonic) the first of them entered COLLECTIVE."""
     reach_s: float
@@ -105,6 +112,7 @@ class Rules:
         at: float,
         at_wall: float,
         fresh: bool,
+        op: int = 0,
     ) -> None:
         """Learn ``w``'s phase and step from a heartbeat received at ``at``."""
         stepped = step > w.step
@@ -120,15 +128,18 @@ class Rules:
             w.step_start = at - phase_ms / 1e3 if phase is Phase.COMPUTE else at
         w.step, w.step_ms = step, step_ms
         # A new phase, or the same one entered again between two heartbeats (seen by its
-        # shorter time in it, by a step completed in between, or by a collective of
-        # another generation: a failed all-reduce, then the next one's rendezvous).
+        # shorter time in it, by a step completed or a collective entered in between, or by
+        # a collective of another generation: a failed all-reduce, then the next one's
+        # rendezvous).
         if (
             fresh
             or stepped
+            or op != w.op
             or phase is not w.phase
             or phase_ms < w.phase_ms
             or (phase is Phase.COLLECTIVE and w.collective_gen != w.generation)
         ):
+            w.op = op
             prev = w.phase
             w.phase = phase
             w.phase_start = at - phase_ms / 1e3
@@ -152,9 +163,9 @@ class Rules:
         reach = w.phase_start - w.step_start if w.step_start > 0.0 else 0.0
         reach = reach if reach > 0.0 else 0.0
         rec = self.waiting.get(key)
-        if rec is None or rec.step < w.step:
-            self.waiting[key] = Waiting(w.step, w.phase_start, reach, {w.worker})
-        elif rec.step == w.step:
+        if rec is None or (rec.step, rec.op) < (w.step, w.op):
+            self.waiting[key] = Waiting(w.step, w.op, w.phase_start, reach, {w.worker})
+        elif rec.step == w.step and rec.op == w.op:
             rec.workers.add(w.worker)
             if w.phase_start < rec.since:
                 rec.since = w.phase_start
@@ -188,10 +199,12 @@ class Rules:
         return bound if bound > self.stall_floor else self.stall_floor
 
     def straggling(self, w: Worker) -> Waiting | None:
-        """The peers waiting in COLLECTIVE for ``w``'s current step, if any (``w`` is
-        in COMPUTE and has not itself reached that collective)."""
+        """The peers waiting in COLLECTIVE in a collective of ``w``'s current step that
+        ``w`` (in COMPUTE) has not entered, if any."""
         rec = self.waiting.get((w.job, w.generation))
         if rec is None or rec.step != w.step or w.worker in rec.workers:
+            return None
+        if rec.op and w.op >= rec.op:  # it has entered that one (op 0: a runtime that does not count)
             return None
         return rec
 

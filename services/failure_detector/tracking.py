@@ -73,6 +73,8 @@ class Worker(Beat):
     heard): below ``generation`` while it is joining that one and has not arrived."""
     bound_ms: float = 0.0
     """The per-op timeout of its current (or last) all-reduce, as it reported (0: none)."""
+    op: int = 0
+    """The collectives of its current step it had entered, as last heard."""
     stall_at: float | None = None
     """When the stall rule (in COMPUTE) or the collective-hang rule (in COLLECTIVE, once
     a peer has left) is next checked (None: neither applied when last checked)."""

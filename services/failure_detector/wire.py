@@ -19,7 +19,7 @@ every other subscription (or accepts a lax but valid one).
 >>> data, headers = encode(NodeDigest(job="j", node="n", launcher="l", host="h",
 ...                                   seq=1, interval_ms=100.0, entries=[e]))
 >>> read_digest(data, headers)
-('j', 'n', 'l', 'h', 1, 100.0, [('w0', 7, 3, 0, 1, 3, 5.0, <Phase.COMPUTE: 'compute'>, 1.0, 2.0, 0.0, 0.0)])
+('j', 'n', 'l', 'h', 1, 100.0, [('w0', 7, 3, 0, 1, 3, 5.0, <Phase.COMPUTE: 'compute'>, 1.0, 2.0, 0.0, 0.0, 0)])
 >>> read_digest(data, {**headers, "Phalanx-Schema": "2"}) is None  # decode() must say why
 True
 """
@@ -45,7 +45,7 @@ _SCHEMA = str(NodeDigest.SCHEMA_VERSION)
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # job and node: JobMessage.job, NodeDigest.node
 _PHASES = {p.value: p for p in Phase}
 _DIGEST_FIELDS = 8  # job, ts, node, launcher, host, seq, interval_ms, entries
-_ENTRY_FIELDS = 12  # every DigestEntry field, interval_ms and collective_bound_ms included
+_ENTRY_FIELDS = 13  # every DigestEntry field, interval_ms, collective_bound_ms and op included
 
 
 if len(NodeDigest.model_fields) != _DIGEST_FIELDS or len(DigestEntry.model_fields) != _ENTRY_FIELDS:
@@ -111,7 +111,7 @@ def _entry(e: Any) -> DigestRow | None:
         worker, pid, seq, rank = e["worker"], e["pid"], e["seq"], e["rank"]
         generation, step, step_ms, phase = e["generation"], e["step"], e["step_ms"], e["phase"]
         phase_ms, age_ms, interval_ms = e["phase_ms"], e["age_ms"], e["interval_ms"]
-        bound_ms = e["collective_bound_ms"]
+        bound_ms, op = e["collective_bound_ms"], e["op"]
     except KeyError:
         return None
     p = _PHASES.get(phase) if type(phase) is str else None
@@ -128,10 +128,11 @@ def _entry(e: Any) -> DigestRow | None:
         or type(age_ms) is not float
         or type(interval_ms) is not float
         or type(bound_ms) is not float
+        or type(op) is not int
         # written so that NaN fails too
-        or not (seq >= 0 and rank >= -1 and generation >= 0 and step >= 0)
+        or not (seq >= 0 and rank >= -1 and generation >= 0 and step >= 0 and op >= 0)
         or not (step_ms >= 0.0 and phase_ms >= 0.0 and age_ms >= 0.0 and interval_ms >= 0.0)
         or not bound_ms >= 0.0
     ):
         return None
-    return worker, pid, seq, rank, generation, step, step_ms, p, phase_ms, age_ms, interval_ms, bound_ms
+    return worker, pid, seq, rank, generation, step, step_ms, p, phase_ms, age_ms, interval_ms, bound_ms, op

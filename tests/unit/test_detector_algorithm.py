@@ -60,13 +60,17 @@ class Rank:
         self.phase = phase
         self.phase_since = clock.monotonic()
         self.bound_ms = 0.0  # the per-op all-reduce timeout it reports
+        self.op = 0  # the collectives of its step entered, as RankStatus counts them
 
     def enter(self, phase: Phase) -> None:
         self.phase, self.phase_since = phase, self.clock.monotonic()
+        if phase is Phase.COLLECTIVE:
+            self.op += 1
 
     def complete_step(self, step_ms: float) -> None:
         self.step += 1
         self.step_ms = step_ms
+        self.op = 0
 
     def beat(self) -> bool:
         hb = Heartbeat(
@@ -83,6 +87,7 @@ class Rank:
             host="h1",
             interval_ms=self.interval * 1e3,
             collective_bound_ms=self.bound_ms,
+            op=self.op,
             ts=self.clock.wall(),
         )
         self.seq += 1
@@ -987,6 +992,46 @@ def test_a_stuck_spare_is_judged_and_a_prompt_one_is_not() -> None:
         r.enter(Phase.COLLECTIVE)
     out = run(clock, det, ranks + spares, 5.0)
     assert [(v.worker, v.cause) for v in out] == [("w4", FaultCause.STEP_STALL)]
+
+
+def test_a_rank_heard_in_an_earlier_collective_of_the_step_still_owes_the_later_one() -> None:
+    """Sharded models and DDP's buffer broadcast enter several collectives a step. A rank
+    heard in the step's first (an all-gather) that then spins in compute is judged by the
+    peers waiting in the second within the straggle bound, not the 60 s stall floor: the
+    heartbeats count the step's collectives entered (``op``)."""
+    det, clock = make(stall_floor_s=60.0)
+    ranks = [Rank(det, clock, f"w{r}", rank=r, pid=100 + r) for r in range(3)]
+    for r in ranks:
+        r.complete_step(100.0)
+        r.enter(Phase.COLLECTIVE)  # the step's first collective: every rank heard in it
+    assert run(clock, det, ranks, 0.2) == []
+    peers = ranks[1:]  # w0 spins
+    for r in ranks:
+        r.enter(Phase.COMPUTE)
+    assert run(clock, det, ranks, 0.1) == []
+    for r in peers:
+        r.enter(Phase.COLLECTIVE)  # the second: the spinner never comes
+    out = run(clock, det, ranks, 3.0)
+    assert [(v.worker, v.cause, v.evidence.get("peers_waiting")) for v in out] == [
+        ("w0", FaultCause.STEP_STALL, "w1,w2")
+    ]
+    assert out[0].evidence["bound_ms"] == 1500.0
+
+
+def test_a_rank_past_the_collective_its_peers_wait_in_is_not_their_straggler() -> None:
+    """Subgroups (HSDP's shard groups) run ahead of each other: a rank in compute after
+    the step's second collective owes nothing to a peer still waiting in its first."""
+    det, clock = make(stall_floor_s=60.0)
+    ahead, waiter = Rank(det, clock, "w0", rank=0, pid=100), Rank(det, clock, "w1", rank=1, pid=101)
+    for r in (ahead, waiter):
+        r.complete_step(100.0)
+    ahead.enter(Phase.COLLECTIVE)
+    assert run(clock, det, [ahead, waiter], 0.2) == []
+    ahead.enter(Phase.COMPUTE)
+    ahead.enter(Phase.COLLECTIVE)
+    ahead.enter(Phase.COMPUTE)  # op 2, computing
+    waiter.enter(Phase.COLLECTIVE)  # op 1, waiting (for a rank of its own subgroup)
+    assert run(clock, det, [ahead, waiter], 5.0) == []
 
 
 def test_a_rank_restoring_after_its_generation_s_collectives_or_waiting_for_a_plan_is_not_judged() -> None:

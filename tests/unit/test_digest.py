@@ -128,6 +128,27 @@ async def test_digest_carries_the_latest_heartbeat_with_its_age(bus: Bus, node: 
     assert node.digest().entries == []
 
 
+async def test_the_collectives_of_a_step_are_counted_and_carried_to_the_digest(
+    bus: Bus, node: NodeDigestPublisher
+) -> None:
+    """``op``: each collective entered adds one; a completed step and a generation
+    joined start the count again; the digest entry carries the heartbeat's."""
+    node.expect("node-a-w0", os.getpid())
+    w0 = rank(bus, node, "node-a-w0")
+    status = w0.status
+    status.enter_collective(2.0)  # e.g. DDP's buffer broadcast, then the gradient all-reduce
+    status.enter(Phase.COMPUTE)
+    status.enter_collective(2.0)
+    await beat(w0, node)
+    [e] = node.digest().entries
+    assert (e.phase, e.op, e.collective_bound_ms) == (Phase.COLLECTIVE, 2, 2000.0)
+    status.completed(1, 10.0, None)
+    assert status.heartbeat(9, 0.1).op == 0
+    status.enter_collective(2.0)
+    status.join(0, 2)
+    assert (status.op, status.phase, status.generation) == (0, Phase.RECOVERING, 2)
+
+
 async def test_heartbeat_from_another_process_is_refused(bus: Bus, node: NodeDigestPublisher) -> None:
     """The kernel says who sent a datagram: another process cannot speak for a worker,
     not even with the right pid in the payload."""

@@ -75,6 +75,12 @@ class Heartbeat(JobMessage):
         ge=0,
         description="The per-op timeout of the rank's current (or last) gradient all-reduce (0: none yet).",
     )
+    op: int = Field(
+        default=0,
+        ge=0,
+        description="Collectives of the current step the rank has entered (0: none yet): peers waiting"
+        " in a later one of the step are owed it by a rank in compute short of it.",
+    )
     loss: float | None = Field(default=None, description="Loss of the last completed step, if reported.")
     finished: list[StepRecord] = Field(
         default_factory=list,
@@ -216,6 +222,7 @@ class DigestEntry(Message):
     collective_bound_ms: float = Field(
         default=0.0, ge=0, description="The heartbeat's collective_bound_ms (0: none reported)."
     )
+    op: int = Field(default=0, ge=0, description="The heartbeat's op (0: none reported).")
 
 
 class NodeDigest(JobMessage):

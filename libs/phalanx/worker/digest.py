@@ -241,6 +241,7 @@ class NodeDigestPublisher:
                     age_ms=max(0.0, (now - latest.received) * 1e3),
                     interval_ms=hb.interval_ms,
                     collective_bound_ms=hb.collective_bound_ms,
+                    op=hb.op,
                 )
             )
             if hb.phase is Phase.DONE:

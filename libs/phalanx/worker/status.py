@@ -26,6 +26,10 @@ class RankStatus:
     collective_bound_ms: float = 0.0
     """The per-op timeout of the current (or last) gradient all-reduce: the detector
     takes a rank in COLLECTIVE for longer, while a peer has left, for hung."""
+    op: int = 0
+    """The collectives of the current step (or of the generation's recovery) entered so
+    far: members enter the same ones in the same order, so a rank in COMPUTE at a
+    lower count than a peer waiting in COLLECTIVE owes it that collective."""
     loss: float | None = None
     plan: int = 0
     """The newest plan generation the agent holds (its launcher acknowledges from it)."""
@@ -48,18 +52,19 @@ class RankStatus:
         judged: the detector's joiner rule)."""
         self.phase_since = time.monotonic()
         self.phase = Phase.RECOVERING
-        self.rank, self.generation = rank, generation
+        self.rank, self.generation, self.op = rank, generation, 0
 
     def enter_collective(self, bound_s: float) -> None:
         """Into a collective that may take ``bound_s``, timed from now also when the
         rank was in another one (a rendezvous, then the state transfer that follows)."""
         self.collective_bound_ms = bound_s * 1e3
+        self.op += 1
         self.phase_since = time.monotonic()
         self.phase = Phase.COLLECTIVE
 
     def completed(self, step: int, step_ms: float, loss: float | None) -> None:
         """The training thread completed optimizer step ``step`` (counting it)."""
-        self.step, self.step_ms, self.loss = step, step_ms, loss
+        self.step, self.step_ms, self.loss, self.op = step, step_ms, loss, 0
         self.unsent.append(
             StepRecord(
                 worker=self.worker,
@@ -98,6 +103,7 @@ class RankStatus:
             host=self.host,
             interval_ms=interval_s * 1000.0,
             collective_bound_ms=self.collective_bound_ms,
+            op=self.op,
             loss=self.loss,
             finished=finished or [],
             plan=self.plan,
