@@ -92,20 +92,9 @@ class Digests:
         schedule = self._deadlines.schedule_worker
         for row in rows:
             (
-                worker,
-                pid,
-                seq,
-                rank,
-                generation,
-                step,
-                step_ms,
-                phase,
-                phase_ms,
-                age_ms,
-                interval_ms,
-                bound,
-                op,
-            ) = row
+                worker, pid, seq, rank, generation, step, step_ms,
+                phase, phase_ms, age_ms, interval_ms, bound, op,
+            ) = row  # fmt: skip
             w = tracked.get((job, worker))
             age = age_ms / 1e3
             at, at_wall = now - age, wall - age  # when the launcher received the heartbeat
