@@ -31,9 +31,10 @@ Faults:
 - ``joiner_stall``: another rank dies at step 3; the spare that takes its rank stops
   short of generation 2's rendezvous, heartbeating (``stall:...@recovery=2``).
 
-Faults from inside need Phalanx's fault injection, which an unmodified script does
-not run: its rung has ``sigstop`` and ``peer_dies`` (a SIGKILL from outside), the
-other cells are listed in ``not_run`` with the reason.
+The unmodified rung runs ``sigstop``, ``peer_dies`` (a SIGKILL from outside) and
+``spin`` (``PHALANX_FAULTS``, struck by its observed default group,
+:mod:`phalanx.runtime.scriptgroup`, as the step's first all-reduce starts); its
+other cells are listed in ``not_run`` with the reason (:data:`UNMODIFIED`).
 
 Per cell: fault -> the first step completed after recovery (the slowest member's
 ``RecoveryDone`` of the last generation; the unmodified script's first step of its
@@ -48,21 +49,24 @@ with a rank SIGSTOPped at step ``k``: torchrun sees no fault and the job waits f
 script's process-group timeout (30 min by default), so each baseline trial is cut at
 ``--baseline-cap`` seconds and reported as the cap (``capped``).
 
-With ``--soak-s S``: a fault-free run of the ``ddp`` rung of about S seconds in which
+With ``--soak-s S`` and the ``ddp`` rung chosen: a fault-free run of it of about S seconds in which
 rank 0 evaluates the model for ``--eval-s`` (5) every ``--eval-every-s`` (60) while
 the others wait, inside ``job.pause``; its verdicts are false ones
 (``soak.false_verdicts``); then two such evaluations without ``job.pause``
-(``soak.undeclared``), for what a script that declares nothing gets.
+(``soak.undeclared``), for what a script that declares nothing gets. With the
+``unmodified`` rung chosen, the same for examples/ddp_torchrun.py ``--eval-every``,
+which declares nothing (``soak_unmodified``).
 
 The last line is one JSON object: ``cells`` keyed ``"<rung>/<fault>"`` with
 ``median``, ``p90``, ``max`` (seconds) and every trial, ``abort_p99_s``, ``baseline``,
-``soak``.
+``soak``, ``soak_unmodified``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -92,7 +96,17 @@ FAULTS = (
     "spare_rendezvous",
     "joiner_stall",
 )
-OUTSIDE = ("sigstop", "peer_dies")  # what an unmodified script can be given
+OUTSIDE = ("sigstop", "peer_dies")  # faults from outside the process
+UNMODIFIED = {
+    "first_allreduce": "every member blocks inside the same collective of the script's group, which "
+    "Phalanx observes but does not bound (a bound would change what the script's own timeout means): "
+    "the script's process-group timeout ends it",
+    "job_first_allreduce": "as first_allreduce",
+    "spare_rendezvous": "an unmodified script's spare never joins a rendezvous: the launcher starts "
+    "a fresh member in its place",
+    "joiner_stall": "as spare_rendezvous",
+}
+"""The unmodified rung's cells that do not run, and why."""
 SPARES = 2
 
 
@@ -213,7 +227,7 @@ def phalanx_trial(
         struck.append(time.time())
         os.kill(pid, signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
 
-    outside = rung.name == "unmodified" or fault == "sigstop"
+    outside = fault == "sigstop" or (rung.name == "unmodified" and fault == "peer_dies")
     result = stack.run_nodes(
         job,
         [sys.executable, *rung.command(steps, log, work)],
@@ -250,6 +264,63 @@ def phalanx_trial(
         "decisions": [d.action.value for d in result.decisions],
         "release_s": [round(x, 4) for x in releases],
     }
+
+
+def soak_unmodified(
+    stack: LocalStack,
+    work: Path,
+    rung: Rung,
+    *,
+    seconds: float,
+    every_s: float,
+    eval_s: float,
+    step_s: float | None = None,
+) -> dict[str, Any]:
+    """The unmodified rung's soak: examples/ddp_torchrun.py fault-free for about
+    ``seconds``, rank 0 evaluating alone for ``eval_s`` every ``every_s`` (``--eval-every``)
+    while the others wait in the next step's all-reduce. The script declares nothing (it
+    cannot): its rank is told from a hung one by moving (:mod:`phalanx.worker.stillness`),
+    so every verdict is a false one. The interval in steps comes from a calibration run,
+    or from ``step_s`` when given (the smoke run's)."""
+
+    def run(name: str, steps: int, extra: list[str]) -> tuple[JobResult, float, Path]:
+        job, log = f"soakun{name}-{int(time.time()) % 100000}", work / f"soak-un-{name}.steps"
+        t0 = time.time()
+        result = stack.run_nodes(
+            job,
+            [sys.executable, *rung.command(steps, log, work), *extra],
+            nodes={"n0": (rung.nproc, SPARES)},
+            steps_log=log,
+            launcher_args=rung.launcher_args,
+            global_batch=rung.global_batch,
+            timeout_s=3 * seconds + 300,
+        )
+        return result, time.time() - t0, log
+
+    step_s = step_s or 0.0
+    if not step_s:
+        cal, _, log = run("cal", 200, [])
+        if cal.returncode != 0 or cal.faults:
+            raise RuntimeError(f"unmodified soak calibration failed: {[d.reason for d in cal.decisions]}")
+        ts = [e["ts"] for e in events(log) if e["event"] == "step"][50:]
+        step_s = statistics.median(b - a for a, b in itertools.pairwise(ts))
+    every = max(1, round(every_s / step_s))
+    steps = max(every, round(seconds / step_s))
+    result, took, _ = run("eval", steps, ["--eval-every", str(every), "--eval-s", str(eval_s)])
+    out = {
+        "step_s": round(step_s, 4),
+        "eval_every_steps": every,
+        "eval_s": eval_s,
+        "seconds": round(took, 1),
+        "steps": steps,
+        "evaluations": steps // every,
+        "verdicts": [(f.cause.value, f.worker) for f in result.faults],
+        "decisions": [d.action.value for d in result.decisions],
+        "exit": result.returncode,
+        "false_verdicts": len(result.faults),
+    }
+    print(json.dumps({"soak": "unmodified", **out}), flush=True)
+    return out
 
 
 def soak(
@@ -400,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     releases: list[float] = []
     baseline: dict[str, Any] = {}
     soaked: dict[str, Any] | None = None
+    soaked_unmodified: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-hangs-") as tmp:
         work = Path(tmp)
         with LocalStack(work / "stack", env={"PHALANX_COLLECTIVE_TIMEOUT_S": "120"}) as stack:
@@ -407,8 +479,8 @@ def main(argv: list[str] | None = None) -> int:
                 rung = rungs[name]
                 for fault in faults:
                     key = f"{name}/{fault}"
-                    if name == "unmodified" and fault not in OUTSIDE:
-                        not_run[key] = "an unmodified script runs no Phalanx fault injection"
+                    if name == "unmodified" and fault in UNMODIFIED:
+                        not_run[key] = UNMODIFIED[fault]
                         continue
                     trials = []
                     for i in range(args.trials):
@@ -418,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                         trials.append(t)
                         releases += t["release_s"]
                     cells[key] = {**_stats([t["downtime_s"] for t in trials]), "trials": trials}
-            if args.soak_s > 0:
+            if args.soak_s > 0 and "ddp" in chosen:
                 soaked = soak(
                     stack,
                     work,
@@ -426,6 +498,16 @@ def main(argv: list[str] | None = None) -> int:
                     seconds=args.soak_s,
                     every_s=args.eval_every_s,
                     eval_s=args.eval_s,
+                )
+            if args.soak_s > 0 and "unmodified" in chosen:
+                soaked_unmodified = soak_unmodified(
+                    stack,
+                    work,
+                    rungs["unmodified"],
+                    seconds=args.soak_s,
+                    every_s=args.eval_every_s,
+                    eval_s=args.eval_s,
+                    step_s=0.05 if args.smoke else None,
                 )
         for name in chosen:
             rung = rungs[name]
@@ -446,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         "not_run": not_run,
         "baseline": {"cap_s": args.baseline_cap, "cells": baseline},
         "soak": soaked,
+        "soak_unmodified": soaked_unmodified,
     }
     print(json.dumps(out), flush=True)
     return 0

@@ -51,6 +51,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--save", help="rank 0 writes the final weights here")
     p.add_argument("--events", help="JSON-lines log (see the module doc)")
+    p.add_argument("--eval-every", type=int, default=0, help="rank 0 evaluates alone every N steps")
+    p.add_argument(
+        "--eval-s", type=float, default=0.0, help="for this long, the others waiting in the next step"
+    )
     return p.parse_args(argv)
 
 
@@ -71,6 +75,19 @@ def batches(loader: DataLoader[Any], sampler: DistributedSampler[Any], start: in
             if i >= skip:
                 yield batch
         epoch, skip = epoch + 1, 0
+
+
+def evaluate(module: torch.nn.Module, data: Any, seconds: float, device: torch.device) -> float:
+    """Rank 0's evaluation pass, alone, for about ``seconds`` (the others wait for it in
+    the next step's all-reduce): the loss over the data, batch after batch, on the bare
+    module (no DDP forward, which would start a collective)."""
+    deadline, total, n = time.monotonic() + seconds, 0.0, 0
+    with torch.no_grad():
+        while time.monotonic() < deadline:
+            x, y = data[(n * 64) % len(data) : (n * 64) % len(data) + 64]
+            total += F.mse_loss(module(x.to(device)), y.to(device)).item()
+            n += 1
+    return total / max(n, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             log(args.events, event="step", step=step + 1, ts=time.time(), attempt=attempt, loss=loss.item())
         done = step + 1
+        if rank == 0 and args.eval_every and done % args.eval_every == 0:
+            evaluate(model.module, data, args.eval_s, device)
         if args.ckpt is not None and rank == 0 and args.ckpt_every and done % args.ckpt_every == 0:
             tmp = args.ckpt.with_name(f"{args.ckpt.name}.tmp.{os.getpid()}")
             state = {"model": model.module.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}

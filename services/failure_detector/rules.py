@@ -156,7 +156,8 @@ class Rules:
             w.collective_gen = w.generation
             self._note_waiting(w)
         elif phase is Phase.COMPUTE and prev is not Phase.COLLECTIVE and prev is not Phase.COMPUTE:
-            w.step_start = w.phase_start  # a step begins after joining a generation
+            if prev is not Phase.RUNNING:  # an unmodified script's rank standing still mid-step
+                w.step_start = w.phase_start  # a step begins after joining a generation
 
     def _note_waiting(self, w: Worker) -> None:
         key = (w.job, w.generation)

@@ -224,6 +224,35 @@ def test_a_stopped_rank_is_found_by_its_silence_and_the_job_restarts_from_the_ch
     )
 
 
+def test_a_spinning_rank_its_peers_wait_for_is_judged_and_the_job_restarts_from_the_checkpoint(
+    stack: LocalStack, out: Path, torchrun_reference: dict[str, torch.Tensor]
+) -> None:
+    # w1 spins in Python as step 14 starts its gradient all-reduce, its process running
+    # and heartbeating; w0 waits in that all-reduce. The observed default group says
+    # so (w0 COLLECTIVE, w1 standing still: COMPUTE), and the straggler rule judges w1.
+    result, events, save = run_phalanx(stack, out, "rank-spin", env={"PHALANX_FAULTS": "spin:w1@step=14"})
+    assert result.returncode == 0, result.node_returncodes
+    assert [(f.cause, f.worker) for f in result.faults] == [(FaultCause.STEP_STALL, "w1")], result.faults
+    assert result.faults[0].evidence.get("peers_waiting") == "w0", result.faults[0].evidence
+    again = [e for e in read_events(events) if e["event"] == "start" and e["attempt"] == 1]
+    assert sorted(e["rank"] for e in again) == [0, 1] and {e["resume"] for e in again} == {10}
+    assert_bitwise_equal(torch.load(save), torchrun_reference)
+
+
+def test_rank_zero_evaluating_alone_while_its_peer_waits_is_no_fault(
+    stack: LocalStack, out: Path, torchrun_reference: dict[str, torch.Tensor]
+) -> None:
+    # Every 16 steps rank 0 evaluates the bare module for 3 s (twice the straggle floor)
+    # while rank 1 waits in the next step's all-reduce: it moves, so nobody is judged.
+    script, _, save = script_args(out, "eval-pause")
+    result, _, _ = run_phalanx(
+        stack, out, "eval-pause", args=[*script, "--eval-every", "16", "--eval-s", "3"]
+    )
+    assert result.returncode == 0, result.node_returncodes
+    assert result.faults == [] and actions(result) == [Action.START], [d.reason for d in result.decisions]
+    assert_bitwise_equal(torch.load(save), torchrun_reference)
+
+
 def test_max_restarts_exhausted_ends_with_torchruns_exit_code(stack: LocalStack, out: Path) -> None:
     rc, _, _ = torchrun(out, "torchrun-exhausted", nproc=2, max_restarts=0, kill_at=5)
     result, _, save = run_phalanx(stack, out, "exhausted", launcher_args=("--max-restarts", "0"), kill_at=5)

@@ -1018,6 +1018,36 @@ def test_a_rank_heard_in_an_earlier_collective_of_the_step_still_owes_the_later_
     assert out[0].evidence["bound_ms"] == 1500.0
 
 
+def test_an_unmodified_scripts_rank_is_judged_once_it_stands_still_and_never_while_it_moves() -> None:
+    """An unmodified script's ranks (heartbeats every second) report RUNNING outside
+    their collectives while the main thread moves, and COMPUTE timed from where it stood
+    still (``phalanx.runtime.scriptgroup``). Rank 0 evaluating alone for 10 s while its
+    peer waits in the next step's all-reduce moves: no verdict. A rank standing still
+    while its peer waits is the straggler, judged on the floor from where it stopped."""
+    det, clock = make(stall_floor_s=60.0)
+    ranks = [
+        Rank(det, clock, f"w{r}", rank=r, pid=100 + r, interval=1.0, phase=Phase.RUNNING) for r in range(2)
+    ]
+    evaluating, waiting = ranks
+    for _ in range(3):
+        for r in ranks:
+            r.complete_step(50.0)
+        assert run(clock, det, ranks, 1.0) == []
+    for r in ranks:
+        r.complete_step(50.0)
+    waiting.enter(Phase.COLLECTIVE)
+    assert run(clock, det, ranks, 10.0) == [], "moving (RUNNING) is never judged"
+    evaluating.enter(Phase.RUNNING)
+    evaluating.phase, evaluating.phase_since = Phase.COMPUTE, clock.monotonic() - 0.5  # stood still 0.5 s ago
+    out = run(clock, det, ranks, 3.0)
+    assert [(v.worker, v.cause, v.evidence.get("peers_waiting")) for v in out] == [
+        ("w0", FaultCause.STEP_STALL, "w1")
+    ]
+    assert out[0].evidence["bound_ms"] == 1500.0
+    # timed from where it stood still, not from the heartbeat that said so
+    assert 1500.0 <= out[0].evidence["phase_ms"] <= 1600.0, out[0].evidence
+
+
 def test_a_rank_past_the_collective_its_peers_wait_in_is_not_their_straggler() -> None:
     """Subgroups (HSDP's shard groups) run ahead of each other: a rank in compute after
     the step's second collective owes nothing to a peer still waiting in its first."""

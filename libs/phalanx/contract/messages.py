@@ -34,7 +34,7 @@ class Phase(StrEnum):
     IDLE = "idle"  # a hot spare waiting for an assignment
     COMPUTE = "compute"
     COLLECTIVE = "collective"
-    RUNNING = "running"  # an unmodified script's rank: training, in compute or a collective (not told apart)
+    RUNNING = "running"  # an unmodified script's rank out of its collectives, moving (still: COMPUTE)
     RECOVERING = "recovering"
     DONE = "done"  # last heartbeat of a worker leaving cleanly: stop watching it
 

@@ -7,10 +7,13 @@ warm by the node's fork server, :mod:`phalanx.runtime.zygote`, or cold as
 
 - it links the worker to the control plane (:class:`~phalanx.worker.agent.Agent`:
   registration, heartbeats to the launcher, the node's plans), so detection,
-  ``phalanx status``, metrics and traces see it like any worker. Its phase is
-  ``RUNNING`` (compute and collectives are not told apart in a script that does not
-  say), and each optimizer step it completes is counted
-  (``register_optimizer_step_post_hook``, no change to the script);
+  ``phalanx status``, metrics and traces see it like any worker. Each optimizer step
+  it completes is counted (``register_optimizer_step_post_hook``, no change to the
+  script), and a gloo default group is observed
+  (:mod:`phalanx.runtime.scriptgroup`): the rank reports ``COLLECTIVE`` inside its
+  collectives, ``RUNNING`` while it moves outside them and ``COMPUTE`` once it
+  stands still, so a rank that spins or blocks while its peers wait is judged as in
+  the own-loop rungs;
 - it waits for the generation that makes it a member, then sets torchrun's
   environment for it (:func:`torchrun_env`): ``RANK``, ``WORLD_SIZE``,
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_*``, ``MASTER_ADDR``,
@@ -56,6 +59,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from phalanx.contract import NodePlan, Phase, Role
 from phalanx.runtime.comm import connect_store, generation_store
+from phalanx.runtime.faults import FaultPlan
+from phalanx.runtime.scriptgroup import observe_default_group
 from phalanx.runtime.store import host_store
 from phalanx.runtime.storeclient import StoreClient
 from phalanx.runtime.storeserver import ThreadedStore
@@ -255,9 +260,11 @@ def run(target: Target, on_env: Callable[[dict[str, str]], object] | None = None
         on_env(dict(os.environ))
     status.enter(Phase.RUNNING)
     StepCounter(status)
+    activity = observe_default_group(status, FaultPlan(settings.faults))
     outcome: Outcome = run_target(target)
     if outcome.at_start:
         _note(outcome.error, worker)
+    activity.stop()
     get_logger(component="unmodified").info("script_ended", code=outcome.code, generation=plan.generation)
     agent.close(goodbye=outcome.code == 0)  # a failed script is a fault: no goodbye
     return outcome.code
