@@ -84,6 +84,23 @@ def test_a_thread_moving_through_frames_does_not() -> None:
     assert sum(s is None for s in got) >= 6, got
 
 
+def _layer() -> None:
+    time.sleep(0.02)  # a native op: every call stops on this same line
+
+
+def layer_after_layer(stop: list[bool]) -> None:
+    while not stop[0]:
+        _layer()
+
+
+def test_calls_at_the_same_code_and_line_move_each_a_new_frame() -> None:
+    # an evaluation pass: Linear.forward, layer after layer, batch after batch (sampled
+    # by code and line alone, such a pass stood still and was judged hung in a soak)
+    with running(layer_after_layer) as t:
+        got = samples(Stillness(t), n=12)
+    assert all(s is None for s in got), got
+
+
 def test_io_by_the_process_counts_as_moving(tmp_path: Path) -> None:
     def write(stop: list[bool]) -> None:
         with open(tmp_path / "out", "wb") as f:

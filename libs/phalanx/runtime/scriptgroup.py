@@ -15,7 +15,7 @@ What the rank then reports (:class:`ScriptActivity`): ``COLLECTIVE``, counted
 per step (``op``, as the own-loop runtime counts them), while a collective of the
 group is in flight; outside them ``RUNNING`` while the script's main thread moves
 and ``COMPUTE`` from the moment it stood still (:mod:`phalanx.worker.stillness`:
-the same stack and no file I/O by the process or its children for
+the same frames and no file I/O by the process or its children for
 :data:`STILL_S`). So the detector's straggler rule finds a rank that spins,
 deadlocks or waits on a stuck device while its peers wait in a collective of the
 same step (judged by their pace, the 1.5 s floor), and an evaluation pass or
