@@ -266,6 +266,25 @@ def phalanx_trial(
     }
 
 
+def _soak_job(
+    stack: LocalStack, work: Path, rung: Rung, name: str, steps: int, extra: list[str], *, timeout_s: float
+) -> tuple[JobResult, float, Path]:
+    """One fault-free soak job of ``rung`` (its steps log ``soak-<name>.steps``): its
+    result, how long it took, and the log."""
+    job, log = f"soak{name.replace('-', '')}-{int(time.time()) % 100000}", work / f"soak-{name}.steps"
+    t0 = time.time()
+    result = stack.run_nodes(
+        job,
+        [sys.executable, *rung.command(steps, log, work), *extra],
+        nodes={"n0": (rung.nproc, SPARES)},
+        steps_log=log,
+        launcher_args=rung.launcher_args,
+        global_batch=rung.global_batch,
+        timeout_s=timeout_s,
+    )
+    return result, time.time() - t0, log
+
+
 def soak_unmodified(
     stack: LocalStack,
     work: Path,
@@ -284,18 +303,7 @@ def soak_unmodified(
     or from ``step_s`` when given (the smoke run's)."""
 
     def run(name: str, steps: int, extra: list[str]) -> tuple[JobResult, float, Path]:
-        job, log = f"soakun{name}-{int(time.time()) % 100000}", work / f"soak-un-{name}.steps"
-        t0 = time.time()
-        result = stack.run_nodes(
-            job,
-            [sys.executable, *rung.command(steps, log, work), *extra],
-            nodes={"n0": (rung.nproc, SPARES)},
-            steps_log=log,
-            launcher_args=rung.launcher_args,
-            global_batch=rung.global_batch,
-            timeout_s=3 * seconds + 300,
-        )
-        return result, time.time() - t0, log
+        return _soak_job(stack, work, rung, f"un-{name}", steps, extra, timeout_s=3 * seconds + 300)
 
     step_s = step_s or 0.0
     if not step_s:
@@ -334,18 +342,8 @@ def soak(
     step time."""
 
     def run(name: str, steps: int, extra: list[str]) -> tuple[JobResult, float]:
-        job, log = f"soak{name}-{int(time.time()) % 100000}", work / f"soak-{name}.steps"
-        t0 = time.time()
-        result = stack.run_nodes(
-            job,
-            [sys.executable, *rung.command(steps, log, work), *extra],
-            nodes={"n0": (rung.nproc, SPARES)},
-            steps_log=log,
-            launcher_args=rung.launcher_args,
-            global_batch=rung.global_batch,
-            timeout_s=3 * seconds + 300,
-        )
-        return result, time.time() - t0
+        result, took, _ = _soak_job(stack, work, rung, name, steps, extra, timeout_s=3 * seconds + 300)
+        return result, took
 
     cal, _ = run("cal", 200, [])
     if cal.returncode != 0 or cal.faults:

@@ -9,8 +9,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from phalanx.contract import Phase
 from phalanx.devstack.natsserver import free_port
@@ -19,17 +22,31 @@ from phalanx.worker.status import RankStatus
 from phalanx.worker.stillness import Stillness
 
 
-def activity_on(thread: threading.Thread, still_s: float = 0.2) -> tuple[ScriptActivity, RankStatus]:
+@pytest.fixture
+def quiet() -> Iterator[int]:
+    """A process that does no I/O: its tree's I/O is what the activities below count
+    (pytest's own process tree reads and writes all along)."""
+    proc = subprocess.Popen(["sleep", "120"])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def activity_on(
+    thread: threading.Thread, quiet: int, still_s: float = 0.2
+) -> tuple[ScriptActivity, RankStatus]:
     status = RankStatus(job="j", worker="w0")
     status.enter(Phase.RUNNING)
-    return ScriptActivity(status, still_s=still_s, stillness=Stillness(thread)), status
+    return ScriptActivity(status, still_s=still_s, stillness=Stillness(thread, io_root=quiet)), status
 
 
-def test_a_still_thread_is_compute_from_where_it_stopped_and_a_collective_is_collective() -> None:
+def test_a_still_thread_is_compute_from_where_it_stopped_and_a_collective_is_collective(quiet: int) -> None:
     stop = threading.Event()
     t = threading.Thread(target=stop.wait, daemon=True)
     t.start()
-    act, status = activity_on(t)
+    act, status = activity_on(t, quiet)
     act.bound_s = 42.0
     t0 = time.monotonic()
     act.tick(t0)
@@ -52,7 +69,7 @@ def test_a_still_thread_is_compute_from_where_it_stopped_and_a_collective_is_col
     stop.set()
 
 
-def test_a_thread_that_moves_on_leaves_compute() -> None:
+def test_a_thread_that_moves_on_leaves_compute(quiet: int) -> None:
     first, second, end = threading.Event(), threading.Event(), threading.Event()
 
     def body() -> None:
@@ -62,9 +79,9 @@ def test_a_thread_that_moves_on_leaves_compute() -> None:
 
     t = threading.Thread(target=body, daemon=True)
     t.start()
-    act, status = activity_on(t, still_s=0.1)
+    act, status = activity_on(t, quiet, still_s=0.1)
     t0 = time.monotonic()
-    for dt in (0.0, 0.1, 0.2):
+    for dt in (0.0, 0.1, 0.25):
         act.tick(t0 + dt)
     assert status.phase is Phase.COMPUTE
     first.set()

@@ -11,7 +11,21 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from phalanx.worker.stillness import Stillness
+
+
+@pytest.fixture
+def quiet() -> Iterator[int]:
+    """A process that does no I/O, whose tree's I/O the samplers below count: pytest's
+    own process tree (its servers, its other threads) reads and writes all along."""
+    proc = subprocess.Popen(["sleep", "120"])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @contextmanager
@@ -61,9 +75,9 @@ def busy_moving(stop: list[bool]) -> None:
         _b(2000)
 
 
-def test_a_thread_spinning_on_one_line_stands_still_from_its_first_sample() -> None:
+def test_a_thread_spinning_on_one_line_stands_still_from_its_first_sample(quiet: int) -> None:
     with running(spin) as t:
-        still = Stillness(t)
+        still = Stillness(t, io_root=quiet)
         got = samples(still)
     # the first sample has no stack to compare with, the second no I/O counters (they
     # are read only while the stack stays): still from the third on, timed from the second
@@ -72,15 +86,15 @@ def test_a_thread_spinning_on_one_line_stands_still_from_its_first_sample() -> N
     assert len(set(got[2:])) == 1, "the streak is timed from where it began"
 
 
-def test_a_thread_blocked_in_a_native_wait_stands_still() -> None:
+def test_a_thread_blocked_in_a_native_wait_stands_still(quiet: int) -> None:
     with running(blocked) as t:
-        got = samples(Stillness(t), n=6)
+        got = samples(Stillness(t, io_root=quiet), n=6)
     assert sum(s is not None for s in got[1:]) >= 3, got
 
 
-def test_a_thread_moving_through_frames_does_not() -> None:
+def test_a_thread_moving_through_frames_does_not(quiet: int) -> None:
     with running(busy_moving) as t:
-        got = samples(Stillness(t), n=12)
+        got = samples(Stillness(t, io_root=quiet), n=12)
     assert sum(s is None for s in got) >= 6, got
 
 
@@ -93,11 +107,11 @@ def layer_after_layer(stop: list[bool]) -> None:
         _layer()
 
 
-def test_calls_at_the_same_code_and_line_move_each_a_new_frame() -> None:
+def test_calls_at_the_same_code_and_line_move_each_a_new_frame(quiet: int) -> None:
     # an evaluation pass: Linear.forward, layer after layer, batch after batch (sampled
     # by code and line alone, such a pass stood still and was judged hung in a soak)
     with running(layer_after_layer) as t:
-        got = samples(Stillness(t), n=12)
+        got = samples(Stillness(t, io_root=quiet), n=12)
     assert all(s is None for s in got), got
 
 
@@ -133,9 +147,9 @@ def test_io_by_a_child_process_counts_as_moving(tmp_path: Path) -> None:
     assert all(s is None for s in got), got
 
 
-def test_reset_starts_a_new_streak() -> None:
+def test_reset_starts_a_new_streak(quiet: int) -> None:
     with running(spin) as t:
-        still = Stillness(t)
+        still = Stillness(t, io_root=quiet)
         first = samples(still, n=3)[-1]
         still.reset()
         assert still.sample() is None and still.sample() is None

@@ -68,10 +68,11 @@ def _read(path: str) -> bytes:
 
 
 class _IoCounter:
-    """``rchar + wchar`` of this process and its descendants, less what reading them
-    cost this process (None: no /proc)."""
+    """``rchar + wchar`` of the process ``root`` (this one by default) and its
+    descendants, less what reading them cost this process (None: no /proc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: int | None = None) -> None:
+        self._root = os.getpid() if root is None else root
         self._own = 0  # bytes of our own reads of /proc so far
 
     def _children(self, pid: int) -> list[int]:
@@ -87,12 +88,12 @@ class _IoCounter:
         return out
 
     def read(self) -> int | None:
-        if not os.path.exists("/proc/self/io"):
+        if not os.path.exists(f"/proc/{self._root}/io"):
             return None
         # our own reads of earlier samples are in the rchar read first below; this
         # sample's come after it
         before = self._own
-        total, todo, seen = 0, [os.getpid()], set[int]()
+        total, todo, seen = 0, [self._root], set[int]()
         while todo and len(seen) < 256:  # a bounded walk of the tree
             pid = todo.pop()
             if pid in seen:
@@ -104,18 +105,19 @@ class _IoCounter:
                 if line.startswith((b"rchar:", b"wchar:")):
                     total += int(line.split(b":", 1)[1])
             todo += self._children(pid)
-        return total - before
+        return total - before if self._root == os.getpid() else total  # our reads: in our rchar
 
 
 class Stillness:
     """Samples a thread (the main one by default); :meth:`sample` says since when it
-    has stood still (monotonic seconds), or None while it moves."""
+    has stood still (monotonic seconds), or None while it moves. ``io_root``: the
+    process whose tree's I/O counts (this one by default)."""
 
-    def __init__(self, thread: threading.Thread | None = None) -> None:
+    def __init__(self, thread: threading.Thread | None = None, *, io_root: int | None = None) -> None:
         thread = thread or threading.main_thread()
         assert thread.ident is not None, "a started thread"
         self._ident = thread.ident
-        self._io = _IoCounter()
+        self._io = _IoCounter(io_root)
         self._stack: Stack = ()
         self._bytes: int | None = None
         self._since: float | None = None
