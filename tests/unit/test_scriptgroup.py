@@ -9,29 +9,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from phalanx.contract import Phase
 from phalanx.devstack.natsserver import free_port
 from phalanx.runtime.scriptgroup import ScriptActivity
 from phalanx.worker.status import RankStatus
 from phalanx.worker.stillness import Stillness
-
-
-@pytest.fixture
-def quiet() -> Iterator[int]:
-    """A process that does no I/O: its tree's I/O is what the activities below count
-    (pytest's own process tree reads and writes all along)."""
-    proc = subprocess.Popen(["sleep", "120"])
-    try:
-        yield proc.pid
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def activity_on(

@@ -11,21 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 from phalanx.worker.stillness import Stillness
-
-
-@pytest.fixture
-def quiet() -> Iterator[int]:
-    """A process that does no I/O, whose tree's I/O the samplers below count: pytest's
-    own process tree (its servers, its other threads) reads and writes all along."""
-    proc = subprocess.Popen(["sleep", "120"])
-    try:
-        yield proc.pid
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @contextmanager
