@@ -134,9 +134,7 @@ def _observed(name: str, *, strikes: bool = False) -> Callable[..., dist.Work]:
         except BaseException:
             activity.left()
             raise
-        # The callback holds the activity, never the group: the last reference to a group
-        # dropped on gloo's own worker thread would destroy the backend there, which joins
-        # that thread (std::terminate, "terminate called without an active exception").
+        # gloo's worker thread runs the callback: it holds the activity, not the group
         work.get_future().add_done_callback(lambda _: activity.left())
         return work
 
@@ -223,9 +221,9 @@ def observe_default_group(
 ) -> ScriptActivity:
     """From now on in this process, ``init_process_group`` with gloo builds an
     :class:`ObservedGroup` (the module doc), and the main thread is sampled from then
-    on (the rendezvous before it, a wait on the other ranks, is no standing still). Faults at
-    ``step=N`` strike as the script's step N (its optimizer steps in this process, plus
-    one) starts its first all-reduce."""
+    on (the rendezvous before it, a wait on the other ranks, is no standing still).
+    Faults at ``step=N`` strike as the script's step N (its optimizer steps in this
+    process, plus one) starts its first all-reduce."""
     activity = ScriptActivity(status, still_s=still_s)
     plan = faults or FaultPlan()
 
