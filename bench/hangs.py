@@ -31,9 +31,10 @@ Faults:
 - ``joiner_stall``: another rank dies at step 3; the spare that takes its rank stops
   short of generation 2's rendezvous, heartbeating (``stall:...@recovery=2``).
 
-The unmodified rung runs ``sigstop``, ``peer_dies`` (a SIGKILL from outside) and
-``spin`` (``PHALANX_FAULTS``, struck by its observed default group,
-:mod:`phalanx.runtime.scriptgroup`, as the step's first all-reduce starts); its
+The unmodified rung runs ``sigstop``, ``peer_dies`` (a SIGKILL from outside),
+``spin``, ``first_allreduce`` (its kill from outside at step 3: a restarted rank would
+strike again) and ``job_first_allreduce`` (``PHALANX_FAULTS``, struck by its observed
+default group, :mod:`phalanx.runtime.scriptgroup`, as an all-reduce starts); its
 other cells are listed in ``not_run`` with the reason (:data:`UNMODIFIED`).
 
 Per cell: fault -> the first step completed after recovery (the slowest member's
@@ -98,10 +99,6 @@ FAULTS = (
 )
 OUTSIDE = ("sigstop", "peer_dies")  # faults from outside the process
 UNMODIFIED = {
-    "first_allreduce": "every member blocks inside the same collective of the script's group, which "
-    "Phalanx observes but does not bound (a bound would change what the script's own timeout means): "
-    "the script's process-group timeout ends it",
-    "job_first_allreduce": "as first_allreduce",
     "spare_rendezvous": "an unmodified script's spare never joins a rendezvous: the launcher starts "
     "a fresh member in its place",
     "joiner_stall": "as spare_rendezvous",
@@ -180,9 +177,24 @@ def _p99(xs: list[float]) -> float | None:
     return round(s[min(len(s) - 1, int(0.99 * len(s)))], 4)
 
 
+def _outside(rung: Rung, fault: str) -> tuple[int, signal.Signals] | None:
+    """(step, signal) of a fault struck from outside (SIGSTOP, SIGKILL) at rank 0's
+    step, or None. An unmodified script's ranks restart in place, and a fault they
+    carried would strike again in the restarted process: its kills come from outside."""
+    if fault == "sigstop":
+        return 0, signal.SIGSTOP
+    if rung.name == "unmodified" and fault == "peer_dies":
+        return 0, signal.SIGKILL
+    if rung.name == "unmodified" and fault == "first_allreduce":
+        return 3, signal.SIGKILL
+    return None
+
+
 def _faults_spec(rung: Rung, fault: str, k: int) -> str:
     other = "w0" if rung.victim != "w0" else "w1"
     spares = [f"w{rung.nproc + i}" for i in range(SPARES)]
+    if rung.name == "unmodified" and fault in ("peer_dies", "first_allreduce"):  # (the kill: _outside)
+        return f"wedge:{other}@collective=2" if fault == "first_allreduce" else ""
     return {
         "sigstop": "",
         "spin": f"spin:{rung.victim}@step={k}",
@@ -219,28 +231,31 @@ def phalanx_trial(
     fault_log = work / f"{job}.faults"
     struck: list[float] = []
 
+    outside = _outside(rung, fault)
+
     def stop(_: JobResult) -> None:
         if rung.name == "unmodified":
             pid = rank_pid(log, int(rung.victim[1:]))
         else:
             pid = find_worker(job, rung.victim)
         struck.append(time.time())
-        os.kill(pid, signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
+        assert outside is not None
+        os.kill(pid, outside[1])
 
-    outside = fault == "sigstop" or (rung.name == "unmodified" and fault == "peer_dies")
+    spec = _faults_spec(rung, fault, k)
     result = stack.run_nodes(
         job,
         [sys.executable, *rung.command(steps, log, work)],
         nodes={"n0": (rung.nproc, SPARES)},
         steps_log=log,
-        actions=[(k, stop)] if outside else [],
-        faults="" if outside else _faults_spec(rung, fault, k),
+        actions=[(outside[0] or k, stop)] if outside else [],
+        faults=spec,
         env={"PHALANX_FAULT_LOG": str(fault_log)},
         launcher_args=rung.launcher_args,
         global_batch=rung.global_batch,
         timeout_s=240,
     )
-    if not outside:
+    if spec:
         lines = [json.loads(x) for x in fault_log.read_text().splitlines()] if fault_log.exists() else []
         hangs = [x["ts"] for x in lines if x["action"] != "kill" or fault == "peer_dies"]
         struck = hangs[:1]

@@ -83,4 +83,5 @@ def cause_class(cause: str) -> str:
         FaultCause.HEARTBEAT_LOST.value: "hang",
         FaultCause.STEP_STALL.value: "hang",
         FaultCause.COLLECTIVE_HANG.value: "collective_hang",
+        FaultCause.COLLECTIVE_WEDGED.value: "collective_hang",
     }.get(cause, cause)

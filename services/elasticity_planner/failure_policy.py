@@ -33,7 +33,7 @@ from typing import Protocol
 
 from phalanx.services.elasticity_planner.decisions import Decision, Fault, largest_allowed, whole_groups
 
-from phalanx.contract import Action, JobState, Member, Recovery
+from phalanx.contract import Action, FaultCause, JobState, Member, Recovery
 
 
 class FailurePolicy(Protocol):
@@ -90,6 +90,19 @@ class ReplaceOrShrink:
             )
         if plan is None or plan.rank_of(fault.worker) is None:
             return Decision(Action.HOLD, f"{fault.worker} is not a member of generation {state.generation}")
+        if fault.cause == FaultCause.COLLECTIVE_WEDGED:
+            if fault.generation is not None and fault.generation < plan.generation:
+                return Decision(
+                    Action.HOLD, f"a collective of generation {fault.generation} wedged: re-formed since"
+                )
+            # Nobody can be singled out: the same members re-form (an unmodified script's
+            # restart in place, as its own process-group timeout would have brought later).
+            return Decision(
+                Action.REFORM,
+                f"every member of generation {plan.generation} stuck inside the same collective "
+                f"(judged on {fault.worker}): the same members re-form",
+                members=list(plan.members),
+            )
         if state.spec.recovery is Recovery.RESTART and not fault.hung:
             if fault.generation is not None and fault.generation < plan.generation:
                 # Its process ran an older generation's script: the current plan already

@@ -4,7 +4,7 @@ checked, so that a tick costs O(expired) rather than a pass over every sender.
 Instead of evaluating phi for every worker on every tick, each heartbeat computes
 the time at which its silence becomes a fault (:meth:`.liveness.Liveness.deadline`)
 and, in ``COMPUTE``, ``COLLECTIVE`` or ``RECOVERING``, when the stall, the
-collective-hang or the joiner rule would judge it (:mod:`.rules`); the earlier
+collective-hang (or wedge) or the joiner rule would judge it (:mod:`.rules`); the earlier
 goes into the heap. Deadlines that
 move later (the usual case: another heartbeat) are not re-pushed but re-read when
 their entry comes up (:meth:`Deadlines.top_expired`).
@@ -55,7 +55,6 @@ class Deadlines:
         self._counter = itertools.count()
         self._workers, self._nodes = tracking.workers, tracking.nodes
         self._live, self._rules, self._mass = live, rules, mass
-        self._left = rules.left
         self._estimate, self._deadline = live.estimate, live.deadline
         self._min_samples, self._min_std_ratio, self._min_std = (
             live.min_samples,
@@ -124,7 +123,7 @@ class Deadlines:
                     self.push(at, Kind.STALL, w)
         elif w.phase is Phase.COLLECTIVE or w.phase is Phase.RECOVERING:
             if w.phase is Phase.COLLECTIVE:
-                judged_at = self._rules.hang_at(w) if self._left and w.bound_ms > 0.0 else None
+                judged_at = self._rules.collective_at(w) if w.bound_ms > 0.0 else None
             else:
                 judged_at = self._rules.join_at(w)
             stall_at = w.stall_at
@@ -207,10 +206,19 @@ class Deadlines:
             if stall_at is not None and (silence_at is None or stall_at < silence_at):
                 kind = Kind.STALL
                 real_stall: float | None
-                if w.phase is Phase.COLLECTIVE or w.phase is Phase.RECOVERING:  # collective hang, joiner
-                    real_stall = (
-                        self._rules.hang_at(w) if w.phase is Phase.COLLECTIVE else self._rules.join_at(w)
-                    )
+                if (
+                    w.phase is Phase.COLLECTIVE or w.phase is Phase.RECOVERING
+                ):  # collective hang or wedge, joiner
+                    if w.phase is Phase.COLLECTIVE:
+                        real_stall = self._rules.collective_at(w)
+                        if (
+                            real_stall is not None
+                            and real_stall <= now
+                            and not self._rules.collective_due(w, now)
+                        ):
+                            real_stall = now + w.declared_s  # a member moved on: look again after a heartbeat
+                    else:
+                        real_stall = self._rules.join_at(w)
                     if real_stall is not None and w.last_arrival < hold:
                         real_stall = now + w.declared_s  # as below
                 elif w.phase is not Phase.COMPUTE:
@@ -241,7 +249,7 @@ class Deadlines:
                 w.silence_at = silence_at = real
                 if stall_at is not None and stall_at > now:  # (one that is due is checked on its own)
                     if w.phase is Phase.COLLECTIVE:
-                        w.stall_at = stall_at = self._rules.hang_at(w)
+                        w.stall_at = stall_at = self._rules.collective_at(w)
                     elif w.phase is Phase.RECOVERING:
                         w.stall_at = stall_at = self._rules.join_at(w)
                     elif w.phase is not Phase.COMPUTE:

@@ -98,7 +98,7 @@ class Detector:
         self._live = Liveness(c)
         self._tracking = Tracking(c, stats)
         self._checks = InputChecks(c, stats, self._live)
-        self._rules = Rules(c, self._live)
+        self._rules = Rules(c, self._live, self._tracking)
         self._mass = MassSilence(c, stats, self._live, self._tracking)
         self._deadlines = Deadlines(self._tracking, self._live, self._rules, self._mass)
         self._digests = Digests(stats, self._tracking, self._checks, self._live, self._rules, self._deadlines)
@@ -383,7 +383,11 @@ class Detector:
             elif kind is Kind.SILENCE:
                 out.append(self._verdict(rules.silence_incident(b, *rank_of(b.job, b.worker, b), now), b))
             elif b.phase is Phase.COLLECTIVE:
-                out.append(self._verdict(rules.hang_incident(b, *rank_of(b.job, b.worker, b), now), b))
+                incident = rules.collective_incident(b, *rank_of(b.job, b.worker, b), now)
+                if incident is None:  # (top_expired checked it at this very time: not reached)
+                    deadlines.defer(kind, b, now + b.declared_s)
+                    continue
+                out.append(self._verdict(incident, b))
             else:
                 out.append(self._verdict(rules.stall_incident(b, *rank_of(b.job, b.worker, b), now), b))
             if mass.latest and len(out) > decided:

@@ -243,6 +243,11 @@ class Tracking:
                 self.close(incident_id(w.job, w.worker, w.pid), f"removed_gen{plan.generation}")
         return True
 
+    def members(self, job: str, generation: int) -> dict[str, int] | None:
+        """Worker -> rank of ``job``'s ``generation``, if it is the latest plan known."""
+        m = self._members.get(job)
+        return m.ranks if m is not None and m.generation == generation else None
+
     def rank_of(self, job: str, worker: str, w: Worker | None) -> tuple[int, int]:
         """(rank, generation): from the newer of the heartbeats and the latest plan."""
         m = self._members.get(job)

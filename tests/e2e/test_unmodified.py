@@ -239,6 +239,46 @@ def test_a_spinning_rank_its_peers_wait_for_is_judged_and_the_job_restarts_from_
     assert_bitwise_equal(torch.load(save), torchrun_reference)
 
 
+def test_a_rank_hung_inside_the_jobs_first_all_reduce_is_a_wedge_and_every_member_restarts(
+    stack: LocalStack, out: Path, torchrun_reference: dict[str, torch.Tensor]
+) -> None:
+    # w1 enters the job's first all-reduce and never moves again, heartbeating; w0 is
+    # inside the same one, waiting for it. Nobody times out an unmodified script's
+    # collective but the script (60 s here): every member inside past what its bytes
+    # take is a wedge, and the same members restart in place (no checkpoint yet: from
+    # the start), as they would after the script's own timeout.
+    result, events, save = run_phalanx(
+        stack, out, "job-wedge", env={"PHALANX_FAULTS": "wedge:w1@collective=1"}
+    )
+    assert result.returncode == 0, result.node_returncodes
+    assert [f.cause for f in result.faults] == [FaultCause.COLLECTIVE_WEDGED], result.faults
+    evidence = result.faults[0].evidence
+    assert evidence["peers_inside_count"] == 1 and evidence["op"] == evidence["peers_op"], evidence
+    assert actions(result) == [Action.START, Action.REFORM], [d.reason for d in result.decisions]
+    again = [e for e in read_events(events) if e["event"] == "start" and e["attempt"] == 1]
+    assert sorted(e["rank"] for e in again) == [0, 1] and {e["resume"] for e in again} == {0}
+    assert_bitwise_equal(torch.load(save), torchrun_reference)
+
+
+def test_a_rank_hung_inside_a_new_generations_first_all_reduce_is_a_wedge_too(
+    stack: LocalStack, out: Path, torchrun_reference: dict[str, torch.Tensor]
+) -> None:
+    # w1 is killed at step 14 (restart in place from step 10); in generation 2, w0 hangs
+    # inside its first all-reduce: a second restart, from the same checkpoint
+    result, events, save = run_phalanx(
+        stack, out, "gen-wedge", kill_at=14, env={"PHALANX_FAULTS": "wedge:w0@collective=2"}
+    )
+    assert result.returncode == 0, result.node_returncodes
+    assert [(f.cause, f.generation) for f in result.faults] == [
+        (FaultCause.PROCESS_EXIT, 1),
+        (FaultCause.COLLECTIVE_WEDGED, 2),
+    ], result.faults
+    assert actions(result) == [Action.START, Action.REFORM, Action.REFORM]
+    last = [e for e in read_events(events) if e["event"] == "start" and e["attempt"] == 2]
+    assert sorted(e["rank"] for e in last) == [0, 1] and {e["resume"] for e in last} == {10}
+    assert_bitwise_equal(torch.load(save), torchrun_reference)
+
+
 def test_rank_zero_evaluating_alone_while_its_peer_waits_is_no_fault(
     stack: LocalStack, out: Path, torchrun_reference: dict[str, torch.Tensor]
 ) -> None:

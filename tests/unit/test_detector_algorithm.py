@@ -407,11 +407,85 @@ def test_peers_leaving_late_get_time_to_be_heard_before_anyone_is_blamed() -> No
     assert hang.evidence["phase_ms"] == pytest.approx(2250.0, abs=10)
 
 
-def test_every_member_still_in_collective_is_judged_by_nobody() -> None:
-    # a slow all-reduce or every member blocked: their own per-op timeouts release them
+def test_every_member_still_in_collective_is_judged_by_nobody_while_the_membership_is_unknown() -> None:
+    # no plan heard: nobody knows whether every member is inside (the wedge rule's job)
     det, clock, ranks = _in_collective(3, 1.0)
     assert run(clock, det, ranks, 10.0) == []
     assert len(det) == 3
+
+
+def test_every_member_inside_the_same_collective_past_its_bound_is_a_wedged_collective() -> None:
+    """An unmodified script's ranks bound nothing themselves: every member inside the
+    same all-reduce past the bound of its bytes (plus slack) after the last one entered
+    is a wedge, judged once, on one member, that nobody can be singled out for."""
+    det, clock, ranks = _in_collective(3, 1.0)
+    assert det.apply_plan(_plan(1, ["w0", "w1", "w2"]))
+    assert run(clock, det, ranks, 0.3) == []
+    ranks[2].enter(Phase.COLLECTIVE)  # a second collective of the step: the others follow
+    ranks[0].enter(Phase.COLLECTIVE)
+    assert run(clock, det, ranks, 0.5) == []
+    ranks[1].enter(Phase.COLLECTIVE)
+    last_wall, last = clock.wall(), clock.monotonic()
+    out = run(clock, det, ranks, 1.24)  # the last one in: 1 s + max(25 %, 2 heartbeats)
+    assert out == []
+    out = run(clock, det, ranks, 3.0)
+    [wedge] = out
+    assert wedge.cause is FaultCause.COLLECTIVE_WEDGED and wedge.generation == 1
+    assert isinstance(wedge.to_event(), RankHung)
+    assert wedge.fault_at == pytest.approx(last_wall, abs=I)
+    ev = wedge.evidence
+    assert ev["peers_inside_count"] == 2 and ev["op"] == ev["peers_op"] == 2
+    assert ev["bound_ms"] == 1000.0 and ev["inside_all_ms"] == pytest.approx(1250.0, abs=10)
+    assert clock.monotonic() - last > 1.24
+    assert len(det) == 2, "one verdict: the others are not judged for the same wedge"
+
+
+def test_a_collective_every_member_is_in_is_not_wedged_while_a_peer_is_outside_or_left() -> None:
+    # rank 0 evaluates alone (RUNNING) while the others wait in the next all-reduce
+    det, clock, ranks = _in_collective(3, 1.0)
+    assert det.apply_plan(_plan(1, ["w0", "w1", "w2"]))
+    ranks[0].enter(Phase.RUNNING)
+    assert run(clock, det, ranks, 10.0) == []
+    # the own-loop runtime: the peers time out at their bound and leave; the one left
+    # behind is the collective-hang rule's, not a wedge
+    det, clock, ranks = _in_collective(3, 1.0)
+    assert det.apply_plan(_plan(1, ["w0", "w1", "w2"]))
+    assert run(clock, det, ranks, 1.0) == []
+    for r in (ranks[0], ranks[2]):
+        r.enter(Phase.RECOVERING)
+    [hang] = run(clock, det, ranks, 3.0)
+    assert (hang.worker, hang.cause) == ("w1", FaultCause.COLLECTIVE_HANG) and "peers_left" in hang.evidence
+
+
+def test_a_member_behind_the_collectives_its_peers_wait_in_is_the_hung_one() -> None:
+    """DDP's buckets: the peers entered the step's second all-reduce, the hung rank never
+    got past its first. Every member is inside one, and it is the one behind."""
+    det, clock, ranks = _in_collective(3, 1.0)
+    assert det.apply_plan(_plan(1, ["w0", "w1", "w2"]))
+    for r in (ranks[0], ranks[2]):
+        r.enter(Phase.COLLECTIVE)
+    entered = clock.monotonic()
+    [hang] = run(clock, det, ranks, 3.0)
+    assert (hang.worker, hang.cause) == ("w1", FaultCause.COLLECTIVE_HANG)
+    assert (
+        hang.evidence["op"] == 1
+        and hang.evidence["peers_op"] == 2
+        and hang.evidence["peers_inside"] == "w0,w2"
+    )
+    # judged by its peers' pace as a straggler is: the straggle floor, 1.5 s, over the 1 s bound
+    assert clock.monotonic() - entered >= 1.5
+
+
+def test_a_member_that_moved_on_ends_the_wedge_and_its_peers_are_still_watched() -> None:
+    # every member was inside; one moved on (its collective completed) and stays out:
+    # no verdict, and the others' deadlines are kept (a silence is still found)
+    det, clock, ranks = _in_collective(3, 1.0)
+    assert det.apply_plan(_plan(1, ["w0", "w1", "w2"]))
+    assert run(clock, det, ranks, 1.0) == []
+    ranks[2].enter(Phase.RUNNING)
+    assert run(clock, det, ranks, 5.0) == []
+    out = run(clock, det, ranks[:2], 2.0)  # w2 falls silent
+    assert [(v.worker, v.cause) for v in out] == [("w2", FaultCause.HEARTBEAT_LOST)]
 
 
 def test_a_rank_within_its_bound_is_not_blamed_when_peers_left() -> None:

@@ -32,7 +32,7 @@ class Pieces:
         self.live = Liveness(self.config)
         self.tracking = Tracking(self.config, self.stats)
         self.checks = InputChecks(self.config, self.stats, self.live)
-        self.rules = Rules(self.config, self.live)
+        self.rules = Rules(self.config, self.live, self.tracking)
         self.mass = MassSilence(self.config, self.stats, self.live, self.tracking)
         self.deadlines = Deadlines(self.tracking, self.live, self.rules, self.mass)
 

@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.contract import Action, JobPhase, JobSpec, JobState, Member, NodeState, Plan
+from phalanx.contract import (
+    Action,
+    FaultCause,
+    JobPhase,
+    JobSpec,
+    JobState,
+    Member,
+    NodeState,
+    Plan,
+    Recovery,
+)
 from services.elasticity_planner.decisions import Decision, Fault
 from services.elasticity_planner.failure_policy import ReplaceOrShrink
 
@@ -94,6 +104,19 @@ def test_replace_rank_zero_and_the_policy_is_pure() -> None:
     assert d.action is Action.REPLACE
     assert members_of(d) == [(0, "s0"), (1, "w1")]
     assert (list(state.spares), set(state.lost), state.plan) == before
+
+
+@pytest.mark.parametrize("recovery", [Recovery.IN_PROCESS, Recovery.RESTART])
+def test_a_wedged_collective_re_forms_the_same_members_and_spends_no_spare(recovery: Recovery) -> None:
+    state = make_state(["w0", "w1", "w2"], ["s0"])
+    state.spec = state.spec.model_copy(update={"recovery": recovery})
+    d = decide(state, fault("w1", cause=FaultCause.COLLECTIVE_WEDGED.value, hung=True))
+    assert d.action is Action.REFORM and members_of(d) == [(0, "w0"), (1, "w1"), (2, "w2")]
+    assert not d.spares_used and "same collective" in d.reason and "w1" in d.reason
+    old = Fault(
+        incident="inc-1", worker="w1", cause=FaultCause.COLLECTIVE_WEDGED.value, hung=True, generation=2
+    )
+    assert decide(state, old).action is Action.HOLD, "a wedge of a generation already left"
 
 
 def test_lost_spare_is_dropped_from_the_pool() -> None:

@@ -32,7 +32,7 @@ def test_a_still_thread_is_compute_from_where_it_stopped_and_a_collective_is_col
     t = threading.Thread(target=stop.wait, daemon=True)
     t.start()
     act, status = activity_on(t, quiet)
-    act.bound_s = 42.0
+    act.timeout_s = 42.0
     t0 = time.monotonic()
     act.tick(t0)
     act.tick(t0 + 0.1)  # the same stack: its I/O counters read from here
@@ -40,15 +40,20 @@ def test_a_still_thread_is_compute_from_where_it_stopped_and_a_collective_is_col
     assert status.phase is Phase.RUNNING  # not still long enough
     act.tick(t0 + 0.35)
     assert status.phase is Phase.COMPUTE and status.phase_since == t0 + 0.1, "timed from where it stood"
-    act.entered()
-    act.entered()  # two in flight (DDP's buckets)
-    assert (status.phase, status.op, status.collective_bound_ms) == (Phase.COLLECTIVE, 2, 42_000.0)
+    mib = 2**20
+    act.entered(50 * mib)
+    assert status.collective_bound_ms == 1_000.0 + 1_000.0, "the inside floor, then 2 x 50 MiB at 100 MiB/s"
+    act.entered(100 * mib)  # two in flight (DDP's buckets): the bytes of both
+    assert (status.phase, status.op, status.collective_bound_ms) == (Phase.COLLECTIVE, 2, 4_000.0)
     act.tick(t0 + 5)
     assert status.phase is Phase.COLLECTIVE, "never COMPUTE while a collective is in flight"
-    act.left()
+    act.left(50 * mib)
     assert status.phase is Phase.COLLECTIVE
-    act.left()
+    act.left(100 * mib)
     assert status.phase is Phase.RUNNING
+    act.entered(40_000 * mib)
+    assert status.collective_bound_ms == 42_000.0, "never past the script's own timeout"
+    act.left(40_000 * mib)
     act.tick(t0 + 5.1)
     assert status.phase is Phase.RUNNING, "the streak starts again after a collective"
     stop.set()

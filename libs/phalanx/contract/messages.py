@@ -159,6 +159,10 @@ class FaultCause(StrEnum):
     HEARTBEAT_LOST = "heartbeat_lost"
     STEP_STALL = "step_stall"
     COLLECTIVE_HANG = "collective_hang"
+    COLLECTIVE_WEDGED = "collective_wedged"
+    """Every member of the generation inside the same collective past its bound: the
+    collective is stuck and no member can be singled out (the verdict names one of them;
+    the default policy re-forms every member)."""
 
 
 class _Fault(JobMessage):

@@ -18,9 +18,11 @@ then takes a member still inside the collective past its own bound for hung
   ``PHALANX_COLLECTIVE_INITIAL_MS`` (60000; a member that never arrives is the
   detector's straggler), then the all-reduce, whose members now start together,
   waits what moving the step's gradients takes at the slowest rate still taken
-  for progress: ``floor + 2 x gradient bytes / MIN_BYTES_PER_S`` (a ring sends
-  each byte about twice): a rank hung inside it costs its peers seconds, not a
-  minute, and a large model's first all-reduce is not judged a hang.
+  for progress: ``inside floor + 2 x gradient bytes / MIN_BYTES_PER_S`` (a ring
+  sends each byte about twice; ``PHALANX_COLLECTIVE_INSIDE_FLOOR_MS``, 1000: every
+  member is known to be inside, so nothing but the transfer and the scheduler is
+  waited for): a rank hung inside it costs its peers seconds, not a minute, and a
+  large model's first all-reduce is not judged a hang.
 - **rendezvous**: the arrival wait, ``floor + the gradient bound of the
   generation this rank leaves`` (a peer may still sit in that generation's last
   all-reduce; a newer plan ends the wait at once), or ``rendezvous_timeout_s``
@@ -48,6 +50,13 @@ all-reduce) still taken for progress, not a hang: a bound, far below what a
 network or a memory copy does."""
 
 
+def moving_s(floor_s: float, nbytes: int) -> float:
+    """What a collective moving ``nbytes`` may take once every member is inside it:
+    ``floor_s`` plus twice the bytes (a ring sends each about twice) at
+    :data:`MIN_BYTES_PER_S`."""
+    return floor_s + 2 * nbytes / MIN_BYTES_PER_S
+
+
 class Bounds:
     """The bounds of one rank's collectives, learned from its own (and, at each
     state transfer, its peers') recent times. All in seconds."""
@@ -60,8 +69,10 @@ class Bounds:
         initial_s: float,
         backstop_s: float,
         rendezvous_s: float,
+        inside_floor_s: float = 1.0,
     ) -> None:
         self.floor_s = floor_s
+        self.inside_floor_s = inside_floor_s
         self.factor = factor
         self.initial_s = initial_s
         self.backstop_s = backstop_s
@@ -98,7 +109,7 @@ class Bounds:
         """Every member has reached the job's first gradient all-reduce (a barrier),
         which reduces ``gradient_bytes`` on this rank: it is bounded from here as one
         whose members start together (the module doc)."""
-        self._first_s = self._capped(self.floor_s + 2 * gradient_bytes / MIN_BYTES_PER_S)
+        self._first_s = min(moving_s(self.inside_floor_s, gradient_bytes), self.backstop_s)
 
     @property
     def first_of_generation(self) -> bool:
@@ -148,4 +159,4 @@ class Bounds:
         return self._capped(self.floor_s + (queued + 1) * state_bytes / MIN_BYTES_PER_S)
 
 
-__all__ = ["COLLECTIVE_WINDOW", "MIN_BYTES_PER_S", "Bounds"]
+__all__ = ["COLLECTIVE_WINDOW", "MIN_BYTES_PER_S", "Bounds", "moving_s"]

@@ -19,9 +19,18 @@ the same frames and no file I/O by the process or its children for
 :data:`STILL_S`). So the detector's straggler rule finds a rank that spins,
 deadlocks or waits on a stuck device while its peers wait in a collective of the
 same step (judged by their pace, the 1.5 s floor), and an evaluation pass or
-``torch.save`` rank 0 runs alone while the others wait is never judged: it moves. A collective's bound, as the rank reports
-it, is the script's own process-group timeout: every member blocked inside the
-same collective (a wedge) still ends only there.
+``torch.save`` rank 0 runs alone while the others wait is never judged: it moves.
+
+A collective's bound, as the rank reports it, is what its bytes take once every
+member is inside: :func:`~phalanx.runtime.bounds.moving_s` of the bytes in flight
+(``PHALANX_COLLECTIVE_INSIDE_FLOOR_MS``, 1 s, plus twice the bytes at 100 MiB/s: a
+collective every member is inside waits for nothing else), never more than the
+script's own timeout. The detector does not judge a rank by it while any peer is
+outside that collective (a peer evaluating alone is waited for, as the script's
+timeout allows); once every member is inside past it, the collective is wedged and
+the same members restart in place (``collective_wedged``), seconds after the hang
+instead of the script's timeout. The ops themselves are not bounded: the script's
+timeout means what it meant.
 
 Only a plain ``"gloo"`` group (or no backend named, on a machine without CUDA) is
 observed: an NCCL script's group is torch's own, its ranks report ``RUNNING``,
@@ -42,6 +51,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from phalanx.contract import Phase
+from phalanx.runtime.bounds import moving_s
 from phalanx.runtime.faults import FaultPlan
 from phalanx.worker.status import RankStatus
 from phalanx.worker.stillness import Stillness
@@ -60,27 +70,38 @@ class ScriptActivity:
     ``left`` wherever it completes (gloo's threads), the sampler ticks on its own."""
 
     def __init__(
-        self, status: RankStatus, *, still_s: float = STILL_S, stillness: Stillness | None = None
+        self,
+        status: RankStatus,
+        *,
+        still_s: float = STILL_S,
+        floor_s: float = 1.0,
+        stillness: Stillness | None = None,
     ) -> None:
         self.status = status
         self.still_s = still_s
-        self.bound_s = 1800.0  # torch's default process-group timeout, until the group says
+        self.floor_s = floor_s
+        self.timeout_s = 1800.0  # torch's default process-group timeout, until the group says
         self._stillness = stillness or Stillness()
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._bytes = 0
         self._stop = threading.Event()
         self._started = False
 
-    def entered(self) -> None:
+    def entered(self, nbytes: int = 0) -> None:
+        """A collective moving ``nbytes`` started: the rank is in ``COLLECTIVE``, bounded by
+        what every byte in flight takes once every member is inside (the module doc)."""
         with self._lock:
             self._in_flight += 1
-            self.status.enter_collective(self.bound_s)
+            self._bytes += nbytes
+            self.status.enter_collective(min(moving_s(self.floor_s, self._bytes), self.timeout_s))
 
-    def left(self) -> None:
+    def left(self, nbytes: int = 0) -> None:
         with self._lock:
             self._in_flight -= 1
+            self._bytes -= nbytes
             if self._in_flight <= 0:
-                self._in_flight = 0
+                self._in_flight = self._bytes = 0
                 self.status.enter(Phase.RUNNING)
                 self._stillness.reset()
 
@@ -128,18 +149,30 @@ def _observed(name: str, *, strikes: bool = False) -> Callable[..., dist.Work]:
         activity = self.activity
         if strikes:
             self.before()
-        activity.entered()
+        nbytes = _nbytes(args)
+        activity.entered(nbytes)
         try:
             work = base(self.inner, *args, **kwargs)
         except BaseException:
-            activity.left()
+            activity.left(nbytes)
             raise
         # gloo's worker thread runs the callback: it holds the activity, not the group
-        work.get_future().add_done_callback(lambda _: activity.left())
+        work.get_future().add_done_callback(lambda _: activity.left(nbytes))
         return work
 
     op.__name__ = name
     return op
+
+
+def _nbytes(args: Any) -> int:
+    """The bytes of the tensors among a collective's arguments (lists of them too)."""
+    n = 0
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            n += a.numel() * a.element_size()
+        elif isinstance(a, list | tuple):
+            n += _nbytes(a)
+    return n
 
 
 class ObservedGroup(dist.ProcessGroup):
@@ -202,7 +235,7 @@ def _build(activity: ScriptActivity, before: Callable[[], object]) -> Callable[.
             for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
                 pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, gloo)
             pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        activity.bound_s = timeout.total_seconds()
+        activity.timeout_s = timeout.total_seconds()
         activity.start()  # not before: the rendezvous' wait is no standing still
         _keep_for_life(group)
         return group
@@ -217,17 +250,22 @@ def _is_plain_gloo(backend: object) -> bool:
 
 
 def observe_default_group(
-    status: RankStatus, faults: FaultPlan | None = None, *, still_s: float = STILL_S
+    status: RankStatus, faults: FaultPlan | None = None, *, still_s: float = STILL_S, floor_s: float = 1.0
 ) -> ScriptActivity:
     """From now on in this process, ``init_process_group`` with gloo builds an
     :class:`ObservedGroup` (the module doc), and the main thread is sampled from then
     on (the rendezvous before it, a wait on the other ranks, is no standing still).
     Faults at ``step=N`` strike as the script's step N (its optimizer steps in this
-    process, plus one) starts its first all-reduce."""
-    activity = ScriptActivity(status, still_s=still_s)
+    process, plus one) starts its first all-reduce; at ``collective=G``, as this
+    process's first all-reduce starts in generation G."""
+    activity = ScriptActivity(status, still_s=still_s, floor_s=floor_s)
     plan = faults or FaultPlan()
+    first = [True]
 
     def before() -> None:
+        if first[0]:
+            first[0] = False
+            plan.fire(status.worker, "collective", status.generation, enter_collective=activity.entered)
         plan.fire(status.worker, "step", status.step + 1, enter_collective=activity.entered)
 
     dist.Backend.register_backend(PLUGIN, _build(activity, before), devices=["cpu", "cuda"])

@@ -283,6 +283,7 @@ class Session:
         self.collective_timeout_s = collective_timeout_s or settings.collective_timeout_s
         self.bounds = Bounds(
             floor_s=settings.collective_floor_s,
+            inside_floor_s=settings.collective_inside_floor_s,
             factor=settings.collective_factor,
             initial_s=settings.collective_initial_s,
             backstop_s=self.collective_timeout_s,

@@ -260,7 +260,9 @@ def run(target: Target, on_env: Callable[[dict[str, str]], object] | None = None
         on_env(dict(os.environ))
     status.enter(Phase.RUNNING)
     StepCounter(status)
-    activity = observe_default_group(status, FaultPlan(settings.faults))
+    activity = observe_default_group(
+        status, FaultPlan(settings.faults), floor_s=settings.collective_inside_floor_s
+    )
     outcome: Outcome = run_target(target)
     if outcome.at_start:
         _note(outcome.error, worker)

@@ -59,6 +59,12 @@ class RankSettings(NatsSettings, TelemetrySettings, HeartbeatSettings, NodeSetti
     collective_floor_ms: float = Field(
         default=2000.0, gt=0, description="Floor of the learned all-reduce bound."
     )
+    collective_inside_floor_ms: float = Field(
+        default=1000.0,
+        gt=0,
+        description="Floor of the bound of a collective every member is known to be inside (the job's "
+        "first all-reduce after its barrier; an unmodified script's collectives).",
+    )
     collective_factor: float = Field(
         default=4.0, gt=0, description="The all-reduce bound is factor x the slowest recent."
     )
@@ -100,6 +106,10 @@ class RankSettings(NatsSettings, TelemetrySettings, HeartbeatSettings, NodeSetti
     @property
     def collective_floor_s(self) -> float:
         return self.collective_floor_ms / 1e3
+
+    @property
+    def collective_inside_floor_s(self) -> float:
+        return self.collective_inside_floor_ms / 1e3
 
     @property
     def collective_initial_s(self) -> float:
