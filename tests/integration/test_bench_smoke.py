@@ -192,8 +192,9 @@ def test_the_unmodified_script_benchmark_runs_every_side_at_tiny_size() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_the_hangs_benchmark_runs_a_cell_per_fault_kind_and_its_baseline() -> None:
-    """bench.hangs --smoke: one trial of a fault from outside (SIGSTOP) and one injected
-    (a spinning rank) on the user loop and on the unmodified script, the capped torchrun
+    """bench.hangs --smoke: one trial of a fault from outside (SIGSTOP) and two injected
+    (a spinning rank, a rank hung inside the job's first all-reduce) on the user loop and
+    on the unmodified script, the capped torchrun
     baseline of each, and short soaks with evaluation pauses."""
     soak = ["--soak-s", "6", "--eval-every-s", "3", "--eval-s", "1"]
     last = last_json_line(
@@ -203,7 +204,7 @@ def test_the_hangs_benchmark_runs_a_cell_per_fault_kind_and_its_baseline() -> No
             "--rungs",
             "ddp,unmodified",
             "--faults",
-            "sigstop,spin",
+            "sigstop,spin,job_first_allreduce",
             "--baseline-cap",
             "5",
             *soak,
@@ -212,8 +213,15 @@ def test_the_hangs_benchmark_runs_a_cell_per_fault_kind_and_its_baseline() -> No
     )
     assert {"cells", "abort_p99_s", "not_run", "baseline", "soak"} <= last.keys(), sorted(last)
     assert {"false_verdicts", "declared", "undeclared", "eval_every_steps"} <= last["soak"].keys()
-    assert set(last["cells"]) == {"ddp/sigstop", "ddp/spin", "unmodified/sigstop", "unmodified/spin"}
+    assert set(last["cells"]) == {
+        f"{rung}/{fault}"
+        for rung in ("ddp", "unmodified")
+        for fault in ("sigstop", "spin", "job_first_allreduce")
+    }
     assert last["cells"]["unmodified/spin"]["trials"][0]["verdicts"] == [["step_stall", "w1"]]
+    assert (
+        last["cells"]["unmodified/job_first_allreduce"]["trials"][0]["verdicts"][0][0] == "collective_wedged"
+    )
     assert last["soak_unmodified"]["false_verdicts"] == 0
     for cell in last["cells"].values():
         assert {"median", "p90", "max", "trials"} <= cell.keys()
