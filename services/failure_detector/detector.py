@@ -13,7 +13,8 @@ It composes separate pieces, each testable alone:
 - :mod:`.liveness`, the liveness estimate: phi accrual over each sender's
   inter-arrival times (:mod:`.phi`), and the hold;
 - :mod:`.rules`, the verdict rules: process exit, heartbeat lost, step stall,
-  collective hang, and what each verdict says;
+  collective hang, a wedged collective (:mod:`.wedges`), and what each verdict says,
+  from what they learn (:mod:`.records`);
 - :mod:`.tracking` and :mod:`.digests`, what is tracked: worker incarnations,
   nodes and their digests, closed incarnations, each job's membership;
 - :mod:`.mass`, the mass hold: many members of a job silent at once wait;

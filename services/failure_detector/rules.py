@@ -41,18 +41,11 @@
   ``collective_hang`` since it entered ``COLLECTIVE``. Peers that timed out are
   ``RECOVERING``, so they are never blamed; while every member is still in
   ``COLLECTIVE`` nobody is judged by this rule (their own timeouts release them).
-- **wedged collective** (:meth:`Rules.wedged_at`, :meth:`Rules.wedge_incident`):
-  every member of a generation in ``COLLECTIVE`` in the same step, none left, and
-  the last of them entered its collective more than the largest bound they report
-  plus slack ago. A bound is what the bytes in flight take once every member is
-  inside (:func:`phalanx.runtime.bounds.moving_s`), so this is a collective that
-  stopped moving, not a wait for a peer. Ranks that time out their own collectives
-  (the own-loop runtime) leave before it; it is what ends a hang inside an
-  unmodified script's collective, whose ops carry only the script's timeout. A
-  member behind the others (a lower ``op``: it has not entered the collectives they
-  wait in, and it is past its peers' pace as the straggler rule counts it) is the
-  hung one, ``collective_hang``; when all are in the same one nobody can be singled
-  out: ``collective_wedged``, on one of them, and the same members re-form.
+- **wedged collective** (:class:`.wedges.Wedges`, which this class asks): every member
+  of a generation inside a collective of the same step past what its bytes take, none
+  left -> ``collective_wedged`` (nobody can be singled out: the same members re-form),
+  or ``collective_hang`` on a member behind the others. What ends a hang inside an
+  unmodified script's collective; own-loop ranks time theirs out first.
 
 :meth:`Rules.learn` keeps what the last two rules read from each heartbeat (its
 phase, its recent step times, the peers that left a generation).
@@ -60,44 +53,16 @@ phase, its recent step times, the peers that left a generation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from phalanx.services.failure_detector.config import DetectorConfig
 from phalanx.services.failure_detector.liveness import Liveness
+from phalanx.services.failure_detector.records import Left, Waiting
 from phalanx.services.failure_detector.tracking import Node, Tracking, Worker
 from phalanx.services.failure_detector.verdicts import Incident, NodeIncident
+from phalanx.services.failure_detector.wedges import Wedges
 
 from phalanx.contract import Evidence, FaultCause, Phase, RankExited
 
-__all__ = ["Left", "Rules", "Waiting"]
-
-
-@dataclass(slots=True)
-class Waiting:
-    """The workers of one (job, generation) heard waiting in one collective of one step."""
-
-    step: int
-    """Steps they had completed (a straggler at the same count owes them this step)."""
-    op: int
-    """Which collective of the step (the count entered, ``Heartbeat.op``): a straggler
-    at a lower count owes them this one."""
-    since: float
-    """When (monotonic) the first of them entered COLLECTIVE."""
-    reach_s: float
-    """The longest any of them took from its step's start to the collective."""
-    workers: set[str] = field(default_factory=set)
-    last: float = 0.0
-    """When (monotonic) the last of them entered COLLECTIVE."""
-    bound_s: float = 0.0
-    """The largest per-op bound any of them reported (seconds)."""
-
-
-@dataclass(slots=True)
-class Left:
-    """The workers of one (job, generation) heard RECOVERING, and when (monotonic) they left."""
-
-    first: float
-    workers: dict[str, float] = field(default_factory=dict)
+__all__ = ["Rules"]
 
 
 class Rules:
@@ -117,6 +82,9 @@ class Rules:
         peers that left its collectives."""
         self.waiting: dict[tuple[str, int], Waiting] = {}
         """(job, generation) -> the workers heard waiting in COLLECTIVE at its newest step."""
+        self.wedges = Wedges(
+            self.waiting, self.left, self.straggle_bound, tracking, config.collective_slack_ratio
+        )
 
     # -- what the rules learn ------------------------------------------------------
     def learn(
@@ -298,60 +266,17 @@ class Rules:
         after_peer = left.first + slack
         return at if at > after_peer else after_peer
 
-    def wedged_at(self, w: Worker) -> float | None:
-        """When a rank in COLLECTIVE is judged inside a wedged collective (module doc) as far
-        as the peers' record says; None while a member is outside it, a peer left, or the
-        membership is unknown. :meth:`wedge` checks every member before a verdict."""
-        rec = self.waiting.get((w.job, w.generation))
-        if rec is None or rec.step != w.step or w.bound_ms <= 0.0 or (w.job, w.generation) in self.left:
-            return None
-        behind = w.worker not in rec.workers
-        if behind and not w.op < rec.op:
-            return None
-        members = self._tracking.members(w.job, w.generation)
-        if members is None or len(rec.workers) + behind != len(members):
-            return None
-        bound = rec.bound_s if rec.bound_s > w.bound_ms / 1e3 else w.bound_ms / 1e3
-        if behind:  # judged by its peers' pace too, as a straggler is
-            pace = self.straggle_bound(w, rec)
-            bound = bound if bound > pace else pace
-        last = rec.last if rec.last > w.phase_start else w.phase_start
-        return last + bound + self.wedge_slack(w, bound)
-
-    def wedge_slack(self, w: Worker, bound_s: float) -> float:
-        """How long past a wedged collective's bound its members have to be heard leaving:
-        ``max(slack ratio x bound, one heartbeat interval)`` and the digest (one interval:
-        any member heard is enough; ranks that time out their own are heard first)."""
-        slack = max(self._slack_ratio * bound_s, w.declared_s)
-        return slack + (w.digest_s if w.node is not None else 0.0)
-
-    def wedge(self, w: Worker) -> Waiting | None:
-        """The peers' record, if every member of ``w``'s generation is still where it
-        says: in COLLECTIVE, at its step, at its op (``w`` at a lower one, or the same)."""
-        rec = self.waiting.get((w.job, w.generation))
-        members = self._tracking.members(w.job, w.generation)
-        if rec is None or members is None or self.wedged_at(w) is None:
-            return None
-        tracked = self._tracking.workers
-        for name in members:
-            m = tracked.get((w.job, name))
-            if m is None or m.phase is not Phase.COLLECTIVE or m.step != rec.step:
-                return None
-            if m.generation != w.generation or (name in rec.workers and m.op != rec.op):
-                return None
-        return rec
-
     def collective_at(self, w: Worker) -> float | None:
         """When a rank in COLLECTIVE is next judged: left behind (:meth:`hang_at`) or
-        inside a wedged collective (:meth:`wedged_at`), the earlier."""
-        hang, wedged = self.hang_at(w), self.wedged_at(w)
+        inside a wedged collective (:meth:`.wedges.Wedges.wedged_at`), the earlier."""
+        hang, wedged = self.hang_at(w), self.wedges.wedged_at(w)
         return wedged if hang is None or (wedged is not None and wedged < hang) else hang
 
     def collective_due(self, w: Worker, now: float) -> bool:
         """Whether a rank in COLLECTIVE is judged now: left behind, or every member is
         still inside the wedged collective (checked member by member, only when due)."""
         hang = self.hang_at(w)
-        return (hang is not None and hang <= now) or self.wedge(w) is not None
+        return (hang is not None and hang <= now) or self.wedges.wedge(w) is not None
 
     # -- verdicts ------------------------------------------------------------------
     def exit_incident(
@@ -440,36 +365,10 @@ class Rules:
         hang = self.hang_at(w)
         if hang is not None and hang <= now:
             return self.hang_incident(w, rank, generation, now)
-        rec = self.wedge(w)
+        rec = self.wedges.wedge(w)
         if rec is None:
             return None
-        return self.wedge_incident(w, rec, rank, generation, now)
-
-    def wedge_incident(self, w: Worker, rec: Waiting, rank: int, generation: int, now: float) -> Incident:
-        """The verdict on a wedged collective (module doc): ``collective_hang`` on the
-        member behind the others, else ``collective_wedged`` on ``w``."""
-        behind = w.worker not in rec.workers
-        peers = sorted(p for p in rec.workers if p != w.worker)
-        last = rec.last if rec.last > w.phase_start else w.phase_start
-        evidence: Evidence = {
-            "phase": w.phase.value,
-            "phase_ms": round((now - w.phase_start) * 1e3, 1),
-            "inside_all_ms": round((now - last) * 1e3, 1),
-            "bound_ms": round(max(rec.bound_s * 1e3, w.bound_ms), 1),
-            "slack_ms": round(self.wedge_slack(w, max(rec.bound_s, w.bound_ms / 1e3)) * 1e3, 1),
-            "step": w.step,
-            "op": w.op,
-            "peers_op": rec.op,
-            "peers_inside": ",".join(peers[:8]) + (",..." if len(peers) > 8 else ""),
-            "peers_inside_count": len(peers),
-            "last_seq": w.last_seq,
-            "host": w.host,
-        }
-        if w.node is not None:
-            evidence["node"] = w.node[1]
-        cause = FaultCause.COLLECTIVE_HANG if behind else FaultCause.COLLECTIVE_WEDGED
-        fault_at = w.phase_start_wall + (last - w.phase_start)
-        return Incident(w.job, w.worker, w.pid, rank, generation, cause, fault_at, evidence)
+        return self.wedges.incident(w, rec, rank, generation, now)
 
     def hang_incident(self, w: Worker, rank: int, generation: int, now: float) -> Incident:
         """The verdict on a rank left behind in a collective its peers left."""

@@ -440,6 +440,18 @@ def test_every_member_inside_the_same_collective_past_its_bound_is_a_wedged_coll
     assert len(det) == 2, "one verdict: the others are not judged for the same wedge"
 
 
+def test_a_wedge_waits_for_every_member_to_be_heard_since_its_collective_should_have_completed() -> None:
+    # w2's heartbeats are held up (a C extension holding the GIL) from before the bound
+    # ran out: its last word may be stale, so nobody is judged until it is heard again
+    det, clock, ranks = _in_collective(3, 1.0, worker_floor_s=3.0)
+    assert det.apply_plan(_plan(1, ["w0", "w1", "w2"]))
+    entered = clock.monotonic()
+    assert run(clock, det, ranks, 0.8) == []
+    assert run(clock, det, ranks[:2], 1.5) == [], "w2 unheard since the collective should have completed"
+    [wedge] = run(clock, det, ranks, 0.5)
+    assert wedge.cause is FaultCause.COLLECTIVE_WEDGED and clock.monotonic() - entered >= 2.3
+
+
 def test_a_collective_every_member_is_in_is_not_wedged_while_a_peer_is_outside_or_left() -> None:
     # rank 0 evaluates alone (RUNNING) while the others wait in the next all-reduce
     det, clock, ranks = _in_collective(3, 1.0)
