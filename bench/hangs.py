@@ -42,7 +42,9 @@ Per cell: fault -> the first step completed after recovery (the slowest member's
 last attempt), median, p90 and max over the trials, each trial printed. Per survivor:
 the abort, the committed plan (the incident's ``plan`` span end) -> its blocked
 collective released (its ``abort`` span start, 0 when its collective had already
-failed), pooled over the trials: ``abort_p99_s``.
+failed), pooled over the trials: ``abort_p99_s``. A survivor the plan found computing
+its step, in no collective (``phalanx.abort.computing``), has none to release: its
+plan -> next collective failed is reported apart, ``computing_p99_s``.
 
 Baseline: the same script's plain torchrun version (examples/ddp_plain.py,
 examples/fsdp_plain.py, examples/ddp_torchrun.py) under ``torchrun --max-restarts 3``
@@ -207,20 +209,25 @@ def _faults_spec(rung: Rung, fault: str, k: int) -> str:
     }[fault]
 
 
-def _release_times(stack: LocalStack, incidents: set[str]) -> list[float]:
+def _release_times(stack: LocalStack, incidents: set[str]) -> tuple[list[float], list[float]]:
     """Per survivor of each incident: its plan committed -> its collective released (0
-    when it had failed already), from the incident's spans."""
+    when it had failed already); apart, for the survivors the plan found computing,
+    plan -> their next collective failed. From the incident's spans."""
     spans = _from_file(stack.span_file)
     traces = {s.trace_id for s in spans if s.attributes.get("phalanx.incident") in incidents}
-    out = []
+    blocked: list[float] = []
+    computing: list[float] = []
     for tid in traces:
         ss = [s for s in spans if s.trace_id == tid]
         plans = [s.end_ns for s in ss if s.name == "plan"]
         if not plans:
             continue
         committed = min(plans)
-        out += [max(0.0, (s.start_ns - committed) / 1e9) for s in ss if s.name == "abort"]
-    return out
+        for s in ss:
+            if s.name == "abort":
+                lag = max(0.0, (s.start_ns - committed) / 1e9)
+                (computing if s.attributes.get("phalanx.abort.computing") else blocked).append(lag)
+    return blocked, computing
 
 
 def phalanx_trial(
@@ -266,11 +273,12 @@ def phalanx_trial(
         last = max(e.get("attempt", 0) for e in events(log))
         first = min(e["ts"] for e in events(log) if e["event"] == "step" and e.get("attempt", 0) == last)
         releases: list[float] = []
+        computing: list[float] = []
     else:
         gen = max(p.generation for p in result.plans)
         first = max(r.ts for r in result.recoveries if r.generation == gen)
         time.sleep(0.6)  # the services export their spans every 200 ms
-        releases = _release_times(stack, {f.incident for f in result.faults})
+        releases, computing = _release_times(stack, {f.incident for f in result.faults})
     verdicts = [(f.cause.value, f.worker) for f in result.faults]
     return {
         "downtime_s": round(first - t0, 4),
@@ -278,6 +286,7 @@ def phalanx_trial(
         "verdicts": verdicts,
         "decisions": [d.action.value for d in result.decisions],
         "release_s": [round(x, 4) for x in releases],
+        "computing_s": [round(x, 4) for x in computing],
     }
 
 
@@ -482,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     cells: dict[str, Any] = {}
     not_run: dict[str, str] = {}
     releases: list[float] = []
+    computing: list[float] = []
     baseline: dict[str, Any] = {}
     soaked: dict[str, Any] | None = None
     soaked_unmodified: dict[str, Any] | None = None
@@ -502,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(json.dumps({"cell": key, "trial": i, **t}), flush=True)
                         trials.append(t)
                         releases += t["release_s"]
+                        computing += t["computing_s"]
                     cells[key] = {**_stats([t["downtime_s"] for t in trials]), "trials": trials}
             if args.soak_s > 0 and "ddp" in chosen:
                 soaked = soak(
@@ -538,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         "cells": cells,
         "abort_p99_s": _p99(releases),
         "abort_survivors": len(releases),
+        "computing_p99_s": _p99(computing),
+        "computing_survivors": len(computing),
         "not_run": not_run,
         "baseline": {"cap_s": args.baseline_cap, "cells": baseline},
         "soak": soaked,

@@ -48,22 +48,36 @@ def test_first_all_reduce_of_a_generation_is_bounded_by_the_members_slowest_step
 
 def test_the_job_s_first_all_reduce_is_bounded_by_its_bytes_once_every_member_arrived() -> None:
     b = bounds()
-    assert b.unmeasured and b.gradient_s() == 60.0 and b.initial_s_capped() == 60.0
+    assert b.awaiting_arrival and b.gradient_s() == 60.0  # the barrier's: nobody has a step
     b.arrived(gradient_bytes=MIN_BYTES_PER_S)  # past the barrier: the members start it together
     # the inside floor (1 s: every member is known to be inside) and each byte sent twice
-    assert not b.unmeasured and b.gradient_s() == pytest.approx(1.0 + 2.0)
+    assert not b.awaiting_arrival and b.gradient_s() == pytest.approx(1.0 + 2.0)
     b.record_collective(40.0)
     assert b.gradient_s() == 2.0  # learned from then on
     b.leave()
     b.join(slowest_step_ms=0.0)  # a generation formed before any step completed: again
-    assert b.unmeasured and b.gradient_s() == 60.0
-    b.arrived(gradient_bytes=4 << 20)  # a small model's: the floor, near enough
+    assert b.awaiting_arrival and b.gradient_s() == 60.0
+    b.arrived(gradient_bytes=4 << 20)  # a small model's: the inside floor, near enough
     assert b.gradient_s() == pytest.approx(1.08)
-    b.join(slowest_step_ms=500.0)  # a member has a step: that bounds it, no barrier
-    assert not b.unmeasured and b.gradient_s() == 2.0
     big = bounds(initial_s=500.0)
+    assert big.gradient_s() == 120.0  # never above the backstop
     big.arrived(gradient_bytes=40 << 30)  # 40 GiB at the slowest rate: the backstop
-    assert big.gradient_s() == 120.0 and big.initial_s_capped() == 120.0
+    assert big.gradient_s() == 120.0
+
+
+def test_every_generation_s_first_all_reduce_is_bounded_by_its_bytes_past_the_barrier() -> None:
+    b = bounds()
+    b.record_collective(30.0)
+    b.join(slowest_step_ms=500.0)  # a member has a step: it bounds the barrier (a joiner's step)
+    assert b.awaiting_arrival and b.gradient_s() == 2.0
+    b.arrived(gradient_bytes=4 << 20)
+    assert not b.awaiting_arrival and b.gradient_s() == pytest.approx(1.08)
+    b.join(slowest_step_ms=100.0)  # the next generation: a barrier again
+    assert b.awaiting_arrival and b.gradient_s() == 2.0
+    b.arrived(gradient_bytes=10 * MIN_BYTES_PER_S)  # moving it takes longer than the barrier
+    assert b.gradient_s() == 2.0  # no longer than the barrier was
+    b.record_collective(10.0)
+    assert not b.awaiting_arrival  # learned: no barrier until the next generation
 
 
 def test_rendezvous_waits_for_peers_still_in_the_generation_left() -> None:

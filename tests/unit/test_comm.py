@@ -224,17 +224,22 @@ def test_destroy_cascades_to_peers_blocked_in_allreduce(store: ThreadedStore, pr
     sockets), not the timeout backstop, can release the peers in time.
     """
     built = threading.Barrier(n)
+    left: list[float] = []
 
     def rank(r: int) -> str:
         comm = _comm(store, prefix, r, n, timeout_s=10 * JOIN_S)
         built.wait(JOIN_S)
         if r == 0:
+            left.append(time.time())
             comm.destroy()
             return "left"
         t = torch.ones(3)
         try:
             comm.allreduce_sum_(t)
         except CommError as exc:
+            time.sleep(0.2)  # a user's loop runs the rest of its step before it recovers
+            # ``at`` is when the collective failed (its recovery's abort starts there)
+            assert left[0] <= exc.at < time.time() - 0.15
             with pytest.raises(CommError):  # the failed communicator is dead for good
                 comm.allreduce_sum_(t)
             return f"CommError: {exc}"

@@ -9,20 +9,21 @@ then takes a member still inside the collective past its own bound for hung
 
 - **gradient all-reduce**: ``max(floor, factor x the slowest of this generation's
   last 20)`` (``PHALANX_COLLECTIVE_FLOOR_MS``, 2000; ``PHALANX_COLLECTIVE_FACTOR``,
-  4). The *first* of a generation also waits for the slowest member's whole step
-  (a joiner's forward and backward, while survivors may reuse their gradients):
-  ``max(floor, factor x the slowest recent step of any member)``, the members'
-  step times being shared at state transfer. Before any member has completed a
-  step (the job's first), nothing says how long the members' first forward and
-  backward may differ: every member first passes a barrier bounded by
+  4). Before the *first* of each generation every member passes a barrier, which
+  waits for the slowest member's whole step (a joiner's forward and backward, while
+  survivors may reuse their gradients): ``max(floor, factor x the slowest recent
+  step of any member)``, the members' step times being shared at state transfer;
+  before any member has completed a step (the job's first), nothing says how long
+  the members' first forward and backward may differ, and the barrier is bounded by
   ``PHALANX_COLLECTIVE_INITIAL_MS`` (60000; a member that never arrives is the
-  detector's straggler), then the all-reduce, whose members now start together,
-  waits what moving the step's gradients takes at the slowest rate still taken
-  for progress: ``inside floor + 2 x gradient bytes / MIN_BYTES_PER_S`` (a ring
-  sends each byte about twice; ``PHALANX_COLLECTIVE_INSIDE_FLOOR_MS``, 1000: every
-  member is known to be inside, so nothing but the transfer and the scheduler is
-  waited for): a rank hung inside it costs its peers seconds, not a minute, and a
-  large model's first all-reduce is not judged a hang.
+  detector's straggler). The all-reduce after the barrier, whose members now start
+  together, waits what moving the step's gradients takes at the slowest rate still
+  taken for progress: ``inside floor + 2 x gradient bytes / MIN_BYTES_PER_S`` (a
+  ring sends each byte about twice; ``PHALANX_COLLECTIVE_INSIDE_FLOOR_MS``, 1000:
+  every member is known to be inside, so nothing but the transfer and the scheduler
+  is waited for), never more than the barrier's: a rank hung inside a generation's
+  first all-reduce costs its peers about a second, not a step-sized bound or a
+  minute, and a large model's is not judged a hang.
 - **rendezvous**: the arrival wait, ``floor + the gradient bound of the
   generation this rank leaves`` (a peer may still sit in that generation's last
   all-reduce; a newer plan ends the wait at once), or ``rendezvous_timeout_s``
@@ -81,6 +82,7 @@ class Bounds:
         self._step_ms: deque[float] = deque(maxlen=COLLECTIVE_WINDOW)
         self._first_s: float | None = None  # the first gradient all-reduce's, learned at state transfer
         self._left_s: float | None = None  # the gradient bound of the generation left
+        self._arrived = False  # every member passed this generation's barrier
 
     def _capped(self, bound: float) -> float:
         return min(max(self.floor_s, bound), self.backstop_s)
@@ -94,22 +96,20 @@ class Bounds:
             return self._first_s
         return self._capped(self.initial_s)
 
-    def initial_s_capped(self) -> float:
-        """The wait for every member to reach the job's first gradient all-reduce."""
-        return self._capped(self.initial_s)
-
     @property
-    def unmeasured(self) -> bool:
-        """No member of this generation has timed a step or a gradient all-reduce (the
-        job's first, or a generation formed before any step completed): the same on
-        every member, since the slowest step is shared at state transfer."""
-        return not self._collective_ms and self._first_s is None
+    def awaiting_arrival(self) -> bool:
+        """Before this generation's first gradient all-reduce, whose barrier the
+        members have not passed yet (:meth:`gradient_s` is then the barrier's bound)."""
+        return not self._collective_ms and not self._arrived
 
     def arrived(self, gradient_bytes: int) -> None:
-        """Every member has reached the job's first gradient all-reduce (a barrier),
-        which reduces ``gradient_bytes`` on this rank: it is bounded from here as one
-        whose members start together (the module doc)."""
-        self._first_s = min(moving_s(self.inside_floor_s, gradient_bytes), self.backstop_s)
+        """Every member has reached this generation's first gradient all-reduce (a
+        barrier), which reduces ``gradient_bytes`` on this rank: it is bounded from
+        here as one whose members start together (the module doc), never longer than
+        the barrier was."""
+        moving = min(moving_s(self.inside_floor_s, gradient_bytes), self.backstop_s)
+        self._first_s = moving if self._first_s is None else min(self._first_s, moving)
+        self._arrived = True
 
     @property
     def first_of_generation(self) -> bool:
@@ -136,6 +136,7 @@ class Bounds:
         """A new generation starts: its times are learned afresh, its first all-reduce
         bounded by the slowest recent step of any member (``0``: none has one)."""
         self._collective_ms.clear()
+        self._arrived = False
         self._first_s = self._capped(self.factor * slowest_step_ms / 1e3) if slowest_step_ms > 0 else None
 
     # -- recovery ------------------------------------------------------------------------

@@ -146,7 +146,13 @@ _log = get_logger(component="comm")
 
 
 class CommError(RuntimeError):
-    """A collective or a rendezvous failed; the communicator is dead."""
+    """A collective or a rendezvous failed; the communicator is dead. ``at`` (wall
+    time): when, the moment the rank left that collective (its recovery's ``abort``
+    starts there, also when the rank runs the rest of its step first)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.at = time.time()
 
 
 class Superseded(Exception):

@@ -139,6 +139,9 @@ class Recovery:
     bytes_received: int = 0
     role: str = "survivor"
     reused_grads: bool = False
+    computing: bool = False
+    """The plan that ended its generation found this rank computing its step, outside
+    any collective: its abort (plan -> generation left) lasted until its next one."""
     checkpoint_tier: str = ""  # the tier a last-resort restore read from (rank 0 only)
 
     def mark(self, phase: str, start: float) -> float:
@@ -170,6 +173,7 @@ class Recovery:
                         "phalanx.step": step,
                         "phalanx.bytes_received": self.bytes_received,
                         "phalanx.reused_gradients": self.reused_grads,
+                        "phalanx.abort.computing": self.computing,
                         "phalanx.checkpoint.tier": self.checkpoint_tier,
                     },
                 )
@@ -300,6 +304,7 @@ class Session:
         self.pending: Recovery | None = None  # reported once the first step after it commits
         self._seen = 0  # newest generation looked at (a spare skips plans that leave it out)
         self._has_state = False
+        self._computing_at_abort = False  # the newer plan's abort found the rank computing
 
     @property
     def comm(self) -> Communicator:
@@ -320,11 +325,11 @@ class Session:
     def strike(self, bound_s: float, point: str = "step") -> bool:
         """The step's first gradient collective is about to start (``point`` "step";
         ``reduce``: a sharded model's first reduce-scatter): ``PHALANX_FAULTS`` of
-        step N strike here; then, where no member has timed a step yet (the job's
-        first), every member passes the barrier before that collective
-        (:meth:`arrive`: raises :class:`CommError` when the generation breaks in it);
-        then the faults of generation G's first all-reduce (``collective=G``) strike,
-        inside it. True when one is ``break``, which the caller carries out.
+        step N strike here; then, before a generation's first all-reduce, every member
+        passes a barrier (:meth:`arrive`: raises :class:`CommError` when the generation
+        breaks in it); then the faults of generation G's first all-reduce
+        (``collective=G``) strike, inside it. True when one is ``break``, which the
+        caller carries out.
 
         The order is the detector's: a rank that spins or stalls before the barrier
         is a straggler its waiting peers expose; past it, the rank is in COLLECTIVE
@@ -340,16 +345,18 @@ class Session:
         return broke
 
     def arrive(self) -> None:
-        """Before the gradient all-reduce of a generation no member has timed a step
-        in (the job's first): a barrier under the initial bound, so that the all-reduce
-        after it is bounded in seconds (:mod:`.bounds`). Raises :class:`CommError`
-        when the generation breaks meanwhile; a no-op once measured or arrived.
+        """Before a generation's first gradient all-reduce: a barrier under that
+        all-reduce's bound (the members' slowest step; the initial bound where none
+        has one), so that the all-reduce after it, whose members start together, is
+        bounded by its bytes (:mod:`.bounds`): a rank hung inside it costs its peers
+        about a second. Raises :class:`CommError` when the generation breaks
+        meanwhile; a no-op once this generation's members arrived.
 
         It leaves the rank in COLLECTIVE under the all-reduce's bound: nothing but
         that all-reduce follows, and a rank hung before it is judged as one inside it."""
-        if not self.bounds.unmeasured:
+        if not self.bounds.awaiting_arrival:
             return
-        bound = self.bounds.initial_s_capped()
+        bound = self.collective_bound_s()
         self.enter_collective(bound)
         self.comm.barrier(bound)
         self.bounds.arrived(self.gradient_bytes)
@@ -380,15 +387,19 @@ class Session:
 
     def reconfigure(self, err: CommError | None, restore: Restore) -> None:
         """The current generation is over (``err``: its collective failed): drop it,
-        report the failure, and join the next one."""
+        report the failure, and join the next one. The ``abort`` phase runs from the
+        moment the collective failed (a user's loop finishes its step's compute after
+        that) to the group dropped."""
         now = time.time()
         # Out of the collective at once: the detector tells the peers that left from
         # one hung inside it (collective_hang) by this phase, a heartbeat later.
         self.job.status.enter(Phase.RECOVERING)
-        rec = Recovery(now)
+        left = now if err is None else min(err.at, now)
+        rec = Recovery(left, computing=self._computing_at_abort)
+        self._computing_at_abort = False
         self.bounds.leave()
         self.comm.release()  # the cascade: peers blocked on us fail now
-        rec.mark("abort", now)
+        rec.mark("abort", left)
         if err is not None:
             self.log.warning("collective_failed", step=self.step, generation=self.generation, error=str(err))
             self.job.agent.report_collective_error(self.rank, self.generation, self.step, str(err))
@@ -429,6 +440,7 @@ class Session:
         generation = comm.generation
         planned = plan.planned and plan.generation == generation + 1  # waits for the step boundary
         if comm.configured and plan.generation > generation and not planned:
+            self._computing_at_abort = self.job.status.phase is Phase.COMPUTE
             abort = functools.partial(comm.abort, below=plan.generation)
             threading.Thread(target=abort, name="phalanx-abort", daemon=True).start()
 
