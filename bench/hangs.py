@@ -61,8 +61,8 @@ the others wait, inside ``job.pause``; its verdicts are false ones
 which declares nothing (``soak_unmodified``).
 
 The last line is one JSON object: ``cells`` keyed ``"<rung>/<fault>"`` with
-``median``, ``p90``, ``max`` (seconds) and every trial, ``abort_p99_s``, ``baseline``,
-``soak``, ``soak_unmodified``.
+``median``, ``p90``, ``max`` (seconds) and every trial, ``abort_p99_s``,
+``computing_p99_s``, ``baseline``, ``soak``, ``soak_unmodified``.
 """
 
 from __future__ import annotations

@@ -28,7 +28,9 @@ then takes a member still inside the collective past its own bound for hung
   generation this rank leaves`` (a peer may still sit in that generation's last
   all-reduce; a newer plan ends the wait at once), or ``rendezvous_timeout_s``
   for a rank's first generation (the job's start, a spare); connecting the
-  group once every member has arrived: ``floor``.
+  group once every member has arrived: the inside floor (every member is known to
+  be there: nothing but the connections and the scheduler is waited for), each
+  request to the generation's store meanwhile: ``floor``.
 - **state transfer**: the members' exchange of their steps: ``floor``; each
   message of a state: ``floor + (receivers served before + 1) x the largest
   member's state / MIN_BYTES_PER_S``.
@@ -147,7 +149,12 @@ class Bounds:
         return min(self.floor_s + self._left_s, self.backstop_s)
 
     def connect_s(self) -> float:
-        """How long connecting the group may take once every member has arrived."""
+        """How long connecting the group may take once every member has arrived: the
+        inside floor, every member being known to be there."""
+        return min(self.inside_floor_s, self.backstop_s)
+
+    def store_s(self) -> float:
+        """Each request to the generation's store (a live store answers at once)."""
         return self._capped(self.floor_s)
 
     def exchange_s(self) -> float:

@@ -700,6 +700,7 @@ class Communicator:
         cancelled: Callable[[], bool],
         arrival_s: float,
         connect_s: float,
+        store_s: float | None = None,
         device: torch.device | None = None,
         connecting: Callable[[], object] | None = None,
     ) -> None:
@@ -707,6 +708,7 @@ class Communicator:
         the members on the store the plan names (:func:`arrival_barrier`, at most
         ``arrival_s``, given up when ``cancelled()``), call ``connecting()`` once all
         have arrived, then connect the generation's group (at most ``connect_s``).
+        Each request to the store is bounded by ``store_s`` (default ``connect_s``).
 
         Raises :class:`Superseded` or :class:`CommError`; then no group is held.
         """
@@ -717,7 +719,8 @@ class Communicator:
         if device is not None:
             self.device = torch.device(device)
         client = self.store_at(plan.store_addr)
-        client.set_timeout(timedelta(seconds=connect_s))  # per store op: a live store answers at once
+        store_s = connect_s if store_s is None else store_s
+        client.set_timeout(timedelta(seconds=store_s))  # per store op: a live store answers at once
         store = generation_store(client, plan.store_secret)
         arrival_barrier(
             store,
@@ -726,13 +729,13 @@ class Communicator:
             plan.world_size,
             cancelled,
             arrival_s,
-            functools.partial(self._waiter, plan.store_addr or self.store_addr, plan.store_secret, connect_s),
+            functools.partial(self._waiter, plan.store_addr or self.store_addr, plan.store_secret, store_s),
         )
         spread = plan_stores(plan)
         if len(spread) > 1:  # gloo's and NCCL's keys over several launchers' stores, by hash
             # held for the generation's life: a Python store passed to torch keeps only its
             # C++ half alive, and lazy gloo pairs ask it for keys long after this call
-            self._spread = SpreadStore(spread, self.store_at, timedelta(seconds=connect_s))
+            self._spread = SpreadStore(spread, self.store_at, timedelta(seconds=store_s))
             store = generation_store(self._spread, plan.store_secret)
         if connecting is not None:
             connecting()

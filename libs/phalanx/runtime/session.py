@@ -276,7 +276,7 @@ class Session:
         :meth:`phalanx.runtime.mesh.Mesh.position`): state moves between members at
         the same position only, and a rank keeps its position for its whole life.
         ``gradient_bytes``: what a step's gradient collectives move on this rank (at
-        most), which bounds the job's first all-reduce (:meth:`arrive`)."""
+        most), which bounds each generation's first all-reduce (:meth:`arrive`)."""
         self.job, self.state = job, state
         self.gradient_bytes = gradient_bytes
         self.position = position
@@ -539,6 +539,7 @@ class Session:
             cancelled=functools.partial(job.agent.superseded, plan.generation),
             arrival_s=bounds.arrival_s(),
             connect_s=bounds.connect_s(),
+            store_s=bounds.store_s(),
             device=self.device,
             connecting=connecting,
         )

@@ -62,8 +62,8 @@ class RankSettings(NatsSettings, TelemetrySettings, HeartbeatSettings, NodeSetti
     collective_inside_floor_ms: float = Field(
         default=1000.0,
         gt=0,
-        description="Floor of the bound of a collective every member is known to be inside (the job's "
-        "first all-reduce after its barrier; an unmodified script's collectives).",
+        description="Floor of the bound of a collective every member is known to be inside (a "
+        "generation's first all-reduce after its barrier; an unmodified script's collectives).",
     )
     collective_factor: float = Field(
         default=4.0, gt=0, description="The all-reduce bound is factor x the slowest recent."
