@@ -141,7 +141,8 @@ class Recovery:
     reused_grads: bool = False
     computing: bool = False
     """The plan that ended its generation found this rank computing its step, outside
-    any collective: its abort (plan -> generation left) lasted until its next one."""
+    any collective: there was none to release, and its ``abort`` starts when its next
+    collective failed (at once, the group being aborted)."""
     checkpoint_tier: str = ""  # the tier a last-resort restore read from (rank 0 only)
 
     def mark(self, phase: str, start: float) -> float:
