@@ -4,6 +4,7 @@ and its main thread; results and the backend's name as torch's own gloo group gi
 from __future__ import annotations
 
 import json
+import linecache
 import os
 import subprocess
 import sys
@@ -27,10 +28,25 @@ def activity_on(
     return ScriptActivity(status, still_s=still_s, stillness=Stillness(thread, io_root=quiet)), status
 
 
+def parked(thread: threading.Thread) -> None:
+    """Until the thread blocks in ``Event.wait`` (its innermost frame at the lock's
+    ``acquire``): started, a thread runs through ``threading``'s bootstrap first, and a
+    sample taken there differs from the next one."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread.ident or -1)
+        if frame is not None and frame.f_code is threading.Condition.wait.__code__:
+            if "acquire(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+                return
+        time.sleep(0.005)
+    raise AssertionError("the thread never blocked")
+
+
 def test_a_still_thread_is_compute_from_where_it_stopped_and_a_collective_is_collective(quiet: int) -> None:
     stop = threading.Event()
     t = threading.Thread(target=stop.wait, daemon=True)
     t.start()
+    parked(t)
     act, status = activity_on(t, quiet)
     act.timeout_s = 42.0
     t0 = time.monotonic()
@@ -69,6 +85,7 @@ def test_a_thread_that_moves_on_leaves_compute(quiet: int) -> None:
 
     t = threading.Thread(target=body, daemon=True)
     t.start()
+    parked(t)
     act, status = activity_on(t, quiet, still_s=0.1)
     t0 = time.monotonic()
     for dt in (0.0, 0.1, 0.25):
