@@ -4,12 +4,15 @@ The machines Phalanx is developed and tested on reach no container registry and
 have no Docker engine running. This starts one of their own: Debian's ``dockerd``
 (``docker.io``, installed with apt-get when missing and running as root) with
 
-- no default bridge and no iptables rules (``--bridge=none --iptables=false``): a
-  container runs on the host's network (``--network host``) unless it joins a network
-  made for it (deploy/docker-compose.yml's two, whose bridges exist until the project
-  is brought down); the host's firewall never changes, and every address a test uses
-  is on loopback or inside a namespace the test made. Without iptables the engine
-  does not keep such networks apart by address (docker's isolation rules);
+- no default bridge, no iptables rules and no IP forwarding turned on
+  (``--bridge=none --iptables=false --ip-forward=false``): a container runs on the
+  host's network (``--network host``) unless it joins a network made for it
+  (deploy/docker-compose.yml's two, whose bridges exist until the project is brought
+  down); the host's firewall and its ``net.ipv4.ip_forward`` never change, and every
+  address a test uses is on loopback or inside a namespace the test made. Two such
+  networks are then apart by address as long as the host does not forward (a
+  container reaches another network's address only through the host's routing);
+  an engine with its defaults keeps them apart with its isolation rules instead;
 - its own data root, exec root, socket and pidfile under one directory, removed
   when the engine stops (also when the test that started it fails);
 - the ``overlay2`` storage driver where the kernel and the data root's file system
@@ -192,6 +195,7 @@ def _start(root: Path | None, driver: str, timeout_s: float) -> Engine:
         "--iptables=false",
         "--ip6tables=false",
         "--ip-masq=false",
+        "--ip-forward=false",
         f"--storage-driver={driver}",
         f"--data-root={root / 'data'}",
         f"--exec-root={root / 'exec'}",
