@@ -13,6 +13,17 @@ Revisions of a bucket only grow, so a later leader always holds a higher token;
 the planner writes it into every job record and every plan, and ranks refuse
 plans with a lower token than one they have seen.
 
+A standby need not wait out the TTL for a leader that is gone: with a ``probe``, it
+asks the holder named in the record (:data:`~phalanx.contract.subjects.INSTANCE_HEALTH`,
+which every planner answers from the moment it starts) at each step, and the server
+answers "no responders" once the holder's connection is closed (its process killed,
+its host's kernel closed the socket). Asked twice, ``confirm_s`` apart, and gone both
+times, the holder is taken over at once, by the same compare-and-set on the revision
+the standby saw. A holder that is only slow or cut off from the server (a partition:
+the server still counts its connection) answers late or not at all, which is no
+verdict: the TTL decides. A record without a ``presence`` (a planner from before
+it answered) is never probed.
+
 A leader counts itself leader only until ``ttl_s * 0.8`` after the last renewal
 it *sent* that succeeded: a standby cannot take over before ``ttl_s`` after it
 *saw* that renewal, which is later. Safety does not rest on this alone: every job
@@ -28,7 +39,10 @@ True
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import time
+from collections.abc import Awaitable, Callable
 
 import msgpack
 
@@ -38,17 +52,36 @@ from phalanx.telemetry import get_logger
 LEASE_KEY = "planner-leader"  # no dot: never a job's "<job>.plan"
 
 
+Probe = Callable[[str], Awaitable[bool]]
+"""Whether the planner answering ``presence`` is gone (its connection closed)."""
+
+
+def presence(instance: str) -> str:
+    """The token of ``instance``'s own subject (an instance name, ``host:pid:nonce``, may
+    hold dots a subject token may not)."""
+    return hashlib.sha256(instance.encode()).hexdigest()[:16]
+
+
 class NotLeader(RuntimeError):
     """This replica does not (or no longer) hold the planner lease."""
 
 
 class Lease:
-    def __init__(self, kv: Bucket, instance: str, ttl_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        kv: Bucket,
+        instance: str,
+        ttl_s: float = 1.0,
+        *,
+        probe: Probe | None = None,
+        confirm_s: float = 0.02,
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be positive, got {ttl_s}")
         self.kv = kv
         self.instance = instance
         self.ttl_s = ttl_s
+        self.probe, self.confirm_s = probe, confirm_s
         self.token = 0  # the revision at which this replica acquired the lease (0: never)
         self._revision: int | None = None  # our last write while leader
         self._valid_until = 0.0  # monotonic
@@ -66,14 +99,33 @@ class Lease:
         return self.token
 
     def _value(self) -> bytes:
-        return msgpack.packb({"holder": self.instance, "ttl_s": self.ttl_s, "at": time.time()})
+        fields = {"holder": self.instance, "ttl_s": self.ttl_s, "at": time.time()}
+        if self.probe is not None:  # this replica answers its own subject
+            fields["presence"] = presence(self.instance)
+        return msgpack.packb(fields)
 
     @staticmethod
     def holder(value: bytes | None) -> str:
+        return Lease._field(value, "holder") or "?"
+
+    @staticmethod
+    def _field(value: bytes | None, name: str) -> str | None:
         try:
-            return str(msgpack.unpackb(value or b"")["holder"])
+            found = msgpack.unpackb(value or b"").get(name)
         except Exception:
-            return "?"
+            return None
+        return found if isinstance(found, str) else None
+
+    async def _holder_gone(self, value: bytes | None) -> bool:
+        """Whether the holder that wrote ``value`` is gone: asked twice, ``confirm_s``
+        apart (the module doc). False when it cannot tell."""
+        token = self._field(value, "presence")
+        if self.probe is None or token is None:
+            return False
+        if not await self.probe(token):
+            return False
+        await asyncio.sleep(self.confirm_s)
+        return await self.probe(token)
 
     async def step(self) -> bool:
         """One round: renew if leader, else try to take an expired or absent lease.
@@ -100,8 +152,9 @@ class Lease:
         else:
             if self._seen is None or self._seen[0] != entry.revision:
                 self._seen = (entry.revision, now)  # it moved: the holder is alive
-                return False
-            if now - self._seen[1] < self.ttl_s:
+                if not await self._holder_gone(entry.value):
+                    return False
+            elif now - self._seen[1] < self.ttl_s and not await self._holder_gone(entry.value):
                 return False
             acquire = self.kv.update(LEASE_KEY, self._value(), last=entry.revision)
         try:
@@ -114,7 +167,9 @@ class Lease:
         self._valid_until = now + self.ttl_s * 0.8
         self.elections += 1
         self.log.info(
-            "lease_acquired", token=self.token, previous=self.holder(entry.value if entry else None)
+            "lease_acquired",
+            token=self.token,
+            previous=self.holder(entry.value if entry else None),
         )
         return True
 

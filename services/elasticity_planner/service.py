@@ -49,13 +49,14 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import nats.errors
 from nats.aio.msg import Msg
 from phalanx.services.elasticity_planner import events as ev
 from phalanx.services.elasticity_planner.effects import Effect
 from phalanx.services.elasticity_planner.failure_policy import FailurePolicy, ReplaceOrShrink
 from phalanx.services.elasticity_planner.inputs import JOB_INPUTS, RECOVERIES, REWOUND, SIGNALS, event_of
 from phalanx.services.elasticity_planner.journal import Journal, seal
-from phalanx.services.elasticity_planner.lease import Lease, NotLeader
+from phalanx.services.elasticity_planner.lease import Lease, NotLeader, presence
 from phalanx.services.elasticity_planner.reducer import Reducer
 from phalanx.services.elasticity_planner.runner import EffectRunner, Spans
 from phalanx.services.elasticity_planner.scaling_policy import GrowIntoSpares, ScalingPolicy
@@ -64,12 +65,14 @@ from phalanx.bus import Bus, Conflict
 from phalanx.bus.consumer import process_span
 from phalanx.contract import (
     CapacityChanged,
+    HealthReply,
     JobMessage,
     JobRecord,
     JobSpec,
     JobState,
     Message,
     NodeAck,
+    Ping,
     PlanAck,
     PreemptionNotice,
     RecoveryDone,
@@ -77,6 +80,7 @@ from phalanx.contract import (
     headers_for,
 )
 from phalanx.contract.streams import JOBS_BUCKET, SCHED
+from phalanx.contract.subjects import INSTANCE_HEALTH
 from phalanx.metrics import PlannerMetrics
 from phalanx.service import Service
 from phalanx.settings import PlannerSettings, load
@@ -136,13 +140,37 @@ class ElasticityPlanner(Service):
     # -- lifecycle and leadership -------------------------------------------------------
     async def start(self) -> None:
         self.kv = await self.bus.kv.bucket(JOBS_BUCKET, leader=True)  # compare-and-set: read-your-writes
-        self.lease = Lease(self.kv, self.instance, self.lease_ttl_s)
+        # Answer this instance's own subject before any lease record names it: a standby
+        # asks there whether the holder is gone (lease.py).
+        await self.bus.subscribe(
+            INSTANCE_HEALTH.format(service=self.name, instance=presence(self.instance)),
+            self._on_presence,
+            Ping,
+            trace_messages=False,
+        )
+        await self.bus.flush()
+        self.lease = Lease(self.kv, self.instance, self.lease_ttl_s, probe=self._holder_gone)
         if await self.lease.step():  # a lone planner leads before start() returns
             await self._lead()
         self._tasks = [
             asyncio.create_task(self._keep_lease(), name="planner-lease"),
             asyncio.create_task(self.runner.republish(), name="planner-republish"),
         ]
+
+    async def _on_presence(self, ping: Ping, raw: Msg) -> None:
+        await self.bus.reply(raw, self.health())
+
+    async def _holder_gone(self, token: str) -> bool:
+        """Whether the planner answering ``token``'s subject is gone: the server says no one
+        listens there (a reply, or no answer in time, says nothing of the kind)."""
+        subject = INSTANCE_HEALTH.format(service=self.name, instance=token)
+        try:
+            await self.bus.request(subject, Ping(), HealthReply, timeout=min(0.25, self.lease_ttl_s / 4))
+        except nats.errors.NoRespondersError:
+            return True
+        except Exception:  # late, or our own connection is away: no verdict
+            return False
+        return False
 
     async def _keep_lease(self) -> None:
         leading = self.lease.is_leader()

@@ -54,7 +54,7 @@ from phalanx.worker.status import RankStatus
 
 JOB = "contract"
 WORKER = "w0"
-TOKENS = {"job": JOB, "worker": WORKER, "node": "n1", "cluster": "c1"}
+TOKENS = {"job": JOB, "worker": WORKER, "node": "n1", "cluster": "c1", "instance": "i1"}
 WAIT_S = 10.0
 
 PARTY_NAMES = sorted(

@@ -13,10 +13,11 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgpack
 import pytest
 from nats.js.errors import KeyWrongLastSequenceError
 from phalanx.services.elasticity_planner.events import Failure
-from phalanx.services.elasticity_planner.lease import NotLeader
+from phalanx.services.elasticity_planner.lease import LEASE_KEY, NotLeader, leader_pid
 from phalanx.services.elasticity_planner.service import ElasticityPlanner
 
 from phalanx.bus import Bus
@@ -381,3 +382,93 @@ async def test_a_new_leader_reads_the_verdict_before_re_forming_a_broken_group(
     assert [d.action for d in watcher.decisions if d.generation and d.generation > 1] == [Action.REPLACE]
     assert {p.generation for p in watcher.plans} == {1, 2}
     assert next(p for p in watcher.plans if p.generation == 2).rank_of("w3") == 1
+
+
+# -- a leader whose connection closed is taken over at once ----------------------------
+async def _leader_pid(bus: Bus) -> int | None:
+    return await leader_pid(await bus.kv.bucket(JOBS_BUCKET))
+
+
+async def test_a_sigkilled_leader_is_taken_over_without_waiting_out_the_ttl(
+    nats_url: str,
+    bus: Bus,
+    replicas: list[ElasticityPlanner],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a 60 s TTL only the server's "no responders" on the holder's own subject can
+    make the standby lead within the test's wait."""
+    monkeypatch.setenv("PHALANX_PLANNER_LEASE_TTL_S", "60")
+    first = _planner_process(nats_url, tmp_path / "a.log")
+    try:
+        await _until_answers(bus)
+        for _ in range(100):  # until it holds the lease
+            if await _leader_pid(bus) == first.pid:
+                break
+            await asyncio.sleep(0.1)
+        standby = await _planner(nats_url, "planner-b")
+        replicas.append(standby)
+        await asyncio.sleep(0.5)  # several steps of the standby, each asking the live holder
+        assert not standby.lease.is_leader(), "a holder that answers is not taken over"
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        await _until(standby.lease.is_leader, timeout=10.0)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+
+
+async def test_a_stopped_leader_is_taken_over_only_when_its_lease_runs_out(
+    nats_url: str,
+    bus: Bus,
+    replicas: list[ElasticityPlanner],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGSTOPped, the leader's connection stays open: the standby's question goes
+    unanswered, which is no verdict, and the TTL decides; the leader, continued, has lost
+    the lease."""
+    monkeypatch.setenv("PHALANX_PLANNER_LEASE_TTL_S", "2")
+    first = _planner_process(nats_url, tmp_path / "a.log")
+    try:
+        await _until_answers(bus)
+        for _ in range(100):
+            if await _leader_pid(bus) == first.pid:
+                break
+            await asyncio.sleep(0.1)
+        standby = await _planner(nats_url, "planner-b")
+        replicas.append(standby)
+        first.send_signal(signal.SIGSTOP)
+        stopped = asyncio.get_running_loop().time()
+        await _until(standby.lease.is_leader, timeout=15.0)
+        waited = asyncio.get_running_loop().time() - stopped
+        # the standby saw the holder's last renewal at most ttl/3 before the stop
+        assert waited >= 2.0 - 2.0 / 3, f"taken over {waited:.2f} s after the stop, inside the TTL"
+        first.send_signal(signal.SIGCONT)
+        for _ in range(100):
+            if "lease_lost" in (tmp_path / "a.log").read_text():
+                break
+            await asyncio.sleep(0.1)
+        assert "lease_lost" in (tmp_path / "a.log").read_text()
+        assert await _leader_pid(bus) == os.getpid()  # the standby, in this process
+    finally:
+        if first.poll() is None:
+            first.send_signal(signal.SIGCONT)
+            first.kill()
+            first.wait()
+
+
+async def test_a_record_written_before_presence_is_never_probed(
+    nats_url: str, bus: Bus, replicas: list[ElasticityPlanner], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder that answers no subject of its own (a planner from before it did) would
+    look gone to every probe: its record carries no ``presence``, and the TTL decides."""
+    monkeypatch.setenv("PHALANX_PLANNER_LEASE_TTL_S", "60")
+    kv = await bus.kv.bucket(JOBS_BUCKET, leader=True)
+    await kv.create(LEASE_KEY, msgpack.packb({"holder": "old-host:1:abc", "ttl_s": 60.0, "at": 0.0}))
+    standby = await _planner(nats_url, "planner-b")
+    replicas.append(standby)
+    await asyncio.sleep(1.0)
+    assert not standby.lease.is_leader()
+    assert await _leader_pid(bus) == 1

@@ -57,6 +57,7 @@ from phalanx.contract.subjects import (
     HEALTH,
     HEARTBEAT,
     HUNG,
+    INSTANCE_HEALTH,
     JOB_SPEC,
     JOINED,
     NODE_ACK,
@@ -184,7 +185,7 @@ def test_a_party_may_subscribe_to_what_it_receives_and_nothing_else(role: str) -
     assert party is not None
     for subject in CATALOGUE:
         tokens = {p: "x1" for p in subject.params}
-        if subject is HEALTH and ROLES[role].service:
+        if subject in (HEALTH, INSTANCE_HEALTH) and ROLES[role].service:
             tokens["service"] = ROLES[role].service or ""
         concrete = subject.format(**tokens)
         assert may_subscribe(perms, concrete) == (subject in received_by(party)), (role, concrete)
@@ -238,7 +239,14 @@ JOB_SENDS: dict[str, set[Subject]] = {
 
 
 def _in_job(subject: Subject, job: str, worker: str = "w0") -> str:
-    tokens = {"job": job, "worker": worker, "node": "n1", "cluster": "c1", "service": f"rank-{worker}"}
+    tokens = {
+        "job": job,
+        "worker": worker,
+        "node": "n1",
+        "cluster": "c1",
+        "service": f"rank-{worker}",
+        "instance": "i1",
+    }
     return subject.format(**{p: tokens[p] for p in subject.params})
 
 

@@ -23,7 +23,7 @@ from phalanx.contract.streams import (
     SCHED,
     STREAMS,
 )
-from phalanx.contract.subjects import CATALOGUE, ERROR, HEALTH, Subject, Transport
+from phalanx.contract.subjects import CATALOGUE, ERROR, HEALTH, Subject
 
 
 def inbox_prefix(user: str) -> str:
@@ -325,9 +325,7 @@ def permissions(
                 else:  # ranks and launchers report under their own names: any but a service's
                     pub.append(ERROR.wildcard())
                     deny += [ERROR.format(service=svc) for svc in SERVICES]
-            elif s.transport is Transport.REQUEST:
-                continue  # requests are the operator's (admin)
-            else:
+            else:  # a request too: a planner asks its own service's instances only
                 pub.append(scoped(s))
         # ... and what it receives (a service answers only its own health subject).
         for s in received_by(r.party):

@@ -84,6 +84,7 @@ from phalanx.contract.subjects import (
     HEALTH,
     HEARTBEAT,
     HUNG,
+    INSTANCE_HEALTH,
     JOB_SPEC,
     JOINED,
     NODE_ACK,
@@ -161,6 +162,8 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("operator",),
         ("failure-detector", "scheduler-signal", "elasticity-planner", "state-replication"),
     ),
+    # A standby planner asks the lease holder, which answers its own instance's subject.
+    INSTANCE_HEALTH.pattern: (("elasticity-planner",), ("elasticity-planner",)),
 }
 
 # What the KV bucket's keys hold (no headers there: the reader knows the kind by the key).
@@ -172,7 +175,7 @@ LOCAL_SOCKETS: dict[str, type[Message]] = {"$PHALANX_PLAN_SOCKET (launcher -> it
 CLUSTER_RECORDS: dict[str, type[ClusterState]] = {"<cluster>": ClusterState}
 
 # The request each request/reply subject takes; its reply is ``Subject.message``.
-REQUESTS: dict[str, type[Message]] = {HEALTH.pattern: Ping}
+REQUESTS: dict[str, type[Message]] = {HEALTH.pattern: Ping, INSTANCE_HEALTH.pattern: Ping}
 
 PARAMETERS: dict[str, str] = {
     "job": "Job id: letters, digits, '_' and '-' (at most 64).",
@@ -180,6 +183,7 @@ PARAMETERS: dict[str, str] = {
     "node": "A node of the job (one launcher each): letters, digits, '_' and '-'.",
     "cluster": "Name of the cluster a scheduler signal is about.",
     "service": "Name of a Phalanx service, e.g. failure-detector.",
+    "instance": "One process of a service: a digest of its instance name (host:pid:nonce).",
 }
 
 
@@ -558,8 +562,12 @@ def stream_of(subject: Subject) -> StreamSpec | None:
 
 
 def channel_id(subject: Subject) -> str:
-    """A stable channel name: the message kind (each subject carries one kind)."""
-    return subject.message.KIND
+    """A stable channel name: the message kind; a later subject of the same kind (the
+    health of one instance) adds its last parameter (``health_by_instance``)."""
+    first = next(s for s in CATALOGUE if s.message is subject.message)
+    if first is subject:
+        return subject.message.KIND
+    return f"{subject.message.KIND}_by_{subject.params[-1]}"
 
 
 def subjects_doc() -> dict[str, Any]:

@@ -221,6 +221,13 @@ HEALTH = Subject(
     Transport.REQUEST,
     "Ask a service how it is (request: Ping, reply: HealthReply).",
 )
+INSTANCE_HEALTH = Subject(
+    "phalanx.health.{service}.{instance}",
+    HealthReply,
+    Transport.REQUEST,
+    "Ask one instance of a service how it is (request: Ping). The server answers 'no responders'"
+    " once that instance's connection is gone: a standby planner asks the lease holder.",
+)
 
 CATALOGUE: tuple[Subject, ...] = (
     HEARTBEAT,
@@ -247,6 +254,7 @@ CATALOGUE: tuple[Subject, ...] = (
     PREEMPT,
     ERROR,
     HEALTH,
+    INSTANCE_HEALTH,
 )
 
 
