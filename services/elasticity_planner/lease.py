@@ -134,7 +134,12 @@ class Lease:
         if self.token:
             assert self._revision is not None  # set with the token
             try:
-                self._revision = await self.kv.update(LEASE_KEY, self._value(), last=self._revision)
+                # no longer than the lease is ours: a renewal stuck in a partition must not
+                # keep this replica from stepping down (and standing by) on time
+                self._revision = await asyncio.wait_for(
+                    self.kv.update(LEASE_KEY, self._value(), last=self._revision),
+                    max(0.01, self._valid_until - now),
+                )
                 self._valid_until = now + self.ttl_s * 0.8
             except Conflict:
                 self.resign("another replica took the lease")

@@ -116,6 +116,7 @@ class EffectRunner:
         self.announced: dict[str, Plan] = {}  # job -> the plan its launchers were sent last
         self.recoveries = RecoveryBook(metrics, log, acks_due=self._acks_due)
         self.timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        self.firing: set[asyncio.Task[None]] = set()  # timers that fired, their transactions running
         self.decisions = 0
         self.refused = 0
 
@@ -173,7 +174,7 @@ class EffectRunner:
             self.cancel(job, effect.name)
             left = max(0.0, effect.deadline - time.time())
             self.timers[(job, effect.name)] = asyncio.get_running_loop().call_later(
-                left, lambda: asyncio.ensure_future(self._fired(job, effect.name))
+                left, self._start_firing, job, effect.name
             )
         elif isinstance(effect, CancelTimer):
             self.cancel(job, effect.name)
@@ -200,9 +201,11 @@ class EffectRunner:
             direction = "grow" if plan.world_size > c.old_world else "shrink"
             self.metrics.resizes.labels(plan.job, direction).inc()
 
-    async def _fired(self, job: str, name: str) -> None:
+    def _start_firing(self, job: str, name: str) -> None:
         self.timers.pop((job, name), None)
-        await self.fire(job, name)
+        task = asyncio.ensure_future(self.fire(job, name))
+        self.firing.add(task)
+        task.add_done_callback(self.firing.discard)
 
     def cancel(self, job: str, name: str) -> None:
         if (handle := self.timers.pop((job, name), None)) is not None:
@@ -274,9 +277,13 @@ class EffectRunner:
                     self.log.warning("plan_republish_failed", job=plan.job, error=repr(exc))
 
     def stop_timers(self) -> None:
+        """Cancel every timer, and the transaction of any that fired (a transaction cut
+        short is one a crash would cut short: the next leader reads the record)."""
         for handle in self.timers.values():
             handle.cancel()
         self.timers.clear()
+        for task in self.firing:
+            task.cancel()
 
     def forget(self) -> None:
         """This replica no longer leads: drop every timer, pending plan and recovery."""

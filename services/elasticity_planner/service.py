@@ -149,7 +149,10 @@ class ElasticityPlanner(Service):
             trace_messages=False,
         )
         await self.bus.flush()
-        self.lease = Lease(self.kv, self.instance, self.lease_ttl_s, probe=self._holder_gone)
+        # The lease's requests are bounded by a third of its TTL: one lost in a partition
+        # must not hold a standby's step (nats.py's default: 5 s) past the TTL.
+        lease_kv = await self.bus.kv.bucket(JOBS_BUCKET, leader=True, timeout_s=self.lease_ttl_s / 3)
+        self.lease = Lease(lease_kv, self.instance, self.lease_ttl_s, probe=self._holder_gone)
         if await self.lease.step():  # a lone planner leads before start() returns
             await self._lead()
         self._tasks = [
@@ -165,7 +168,9 @@ class ElasticityPlanner(Service):
         listens there (a reply, or no answer in time, says nothing of the kind)."""
         subject = INSTANCE_HEALTH.format(service=self.name, instance=token)
         try:
-            await self.bus.request(subject, Ping(), HealthReply, timeout=min(0.25, self.lease_ttl_s / 4))
+            # at most a standby's step: a holder cut off from the server answers never,
+            # and the step after this one must still see the TTL run out on time
+            await self.bus.request(subject, Ping(), HealthReply, timeout=self.lease_ttl_s / 10)
         except nats.errors.NoRespondersError:
             return True
         except Exception:  # late, or our own connection is away: no verdict
@@ -174,8 +179,12 @@ class ElasticityPlanner(Service):
 
     async def _keep_lease(self) -> None:
         leading = self.lease.is_leader()
+        took = 0.0
         while True:
-            await asyncio.sleep(self.lease.ttl_s / (3 if leading else 10))
+            # every ttl/3 leading, ttl/10 standing by, a step's own time (a question
+            # to the holder, a KV round trip) included
+            await asyncio.sleep(max(0.0, self.lease.ttl_s / (3 if leading else 10) - took))
+            started = time.monotonic()
             try:
                 now_leader = await self.lease.step()
             except Exception as exc:
@@ -186,6 +195,7 @@ class ElasticityPlanner(Service):
             elif leading and not now_leader:
                 await self._on_deposed()
             leading = now_leader
+            took = time.monotonic() - started
 
     async def _lead(self) -> bool:
         """Take over as leader; on failure (KV away, a newer leader) stand by again."""
@@ -237,6 +247,10 @@ class ElasticityPlanner(Service):
     async def _on_deposed(self) -> None:
         """Another replica leads now: stop consuming, forget everything in memory."""
         self.log.warning("planner_deposed", instance=self.instance)
+        # Whatever holds the lock is cut short first: a transaction whose request was
+        # lost (a partition) would otherwise hold this replica's lease loop for the
+        # request's whole timeout, and with it the next takeover.
+        self.runner.stop_timers()
         for task in self._consumers:
             task.cancel()
         for task in self._consumers:

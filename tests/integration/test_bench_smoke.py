@@ -37,7 +37,10 @@ SMOKE = {  # module: (its tiny-size arguments, the keys its last JSON line must 
             "dcp_async_blocked_s",
         },
     ),
-    "bench.failover": (["--trials", "1"], {"planner_failover_s", "planner_failover_max_s", "samples_s"}),
+    "bench.failover": (
+        ["--trials", "1"],
+        {"planner_failover_s", "planner_failover_max_s", "samples_s", "partition"},
+    ),
     "bench.recovery": (
         ["--quick", "--nproc", "2"],
         {"phalanx_downtime_s", "phalanx_downtime_max_s", "restart_downtime_s", "downtime_ratio"},
