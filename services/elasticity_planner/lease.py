@@ -31,7 +31,7 @@ record is written by compare-and-set, and a record written by a higher token
 makes a lower-token planner step down (:class:`NotLeader`).
 
 >>> lease = Lease(kv, instance="planner-a", ttl_s=1.0)
->>> await lease.step()          # every ttl/3 while leading, ttl/10 while standing by
+>>> await lease.step()          # every ttl/3 while leading, lease.standby_every_s standing by
 True
 >>> lease.check()               # the fencing token, or NotLeader
 4711
@@ -88,6 +88,12 @@ class Lease:
         self._seen: tuple[int, float] | None = None  # (revision, monotonic when first seen)
         self.log = get_logger(component="planner-lease", instance=instance)
         self.elections = 0
+
+    @property
+    def standby_every_s(self) -> float:
+        """How often a standby steps (and asks the holder): TTL/10, at most 100 ms, so a
+        long TTL does not slow the takeover of a holder that is gone."""
+        return min(self.ttl_s / 10, 0.1)
 
     def is_leader(self) -> bool:
         return self.token > 0 and time.monotonic() < self._valid_until

@@ -170,7 +170,7 @@ class ElasticityPlanner(Service):
         try:
             # at most a standby's step: a holder cut off from the server answers never,
             # and the step after this one must still see the TTL run out on time
-            await self.bus.request(subject, Ping(), HealthReply, timeout=self.lease_ttl_s / 10)
+            await self.bus.request(subject, Ping(), HealthReply, timeout=self.lease.standby_every_s)
         except nats.errors.NoRespondersError:
             return True
         except Exception:  # late, or our own connection is away: no verdict
@@ -181,9 +181,10 @@ class ElasticityPlanner(Service):
         leading = self.lease.is_leader()
         took = 0.0
         while True:
-            # every ttl/3 leading, ttl/10 standing by, a step's own time (a question
-            # to the holder, a KV round trip) included
-            await asyncio.sleep(max(0.0, self.lease.ttl_s / (3 if leading else 10) - took))
+            # every ttl/3 leading, standby_every_s standing by, a step's own time (a
+            # question to the holder, a KV round trip) included
+            every = self.lease.ttl_s / 3 if leading else self.lease.standby_every_s
+            await asyncio.sleep(max(0.0, every - took))
             started = time.monotonic()
             try:
                 now_leader = await self.lease.step()

@@ -389,6 +389,19 @@ async def _leader_pid(bus: Bus) -> int | None:
     return await leader_pid(await bus.kv.bucket(JOBS_BUCKET))
 
 
+async def _leading_process(url: str, bus: Bus, log: Path) -> subprocess.Popen[bytes]:
+    """A planner process, once it holds the lease."""
+    proc = _planner_process(url, log)
+    await _until_answers(bus)
+    for _ in range(100):
+        if await _leader_pid(bus) == proc.pid:
+            return proc
+        await asyncio.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    raise AssertionError(f"the planner never led: {log.read_text()[-4000:]}")
+
+
 async def test_a_sigkilled_leader_is_taken_over_without_waiting_out_the_ttl(
     nats_url: str,
     bus: Bus,
@@ -399,16 +412,11 @@ async def test_a_sigkilled_leader_is_taken_over_without_waiting_out_the_ttl(
     """With a 60 s TTL only the server's "no responders" on the holder's own subject can
     make the standby lead within the test's wait."""
     monkeypatch.setenv("PHALANX_PLANNER_LEASE_TTL_S", "60")
-    first = _planner_process(nats_url, tmp_path / "a.log")
+    first = await _leading_process(nats_url, bus, tmp_path / "a.log")
     try:
-        await _until_answers(bus)
-        for _ in range(100):  # until it holds the lease
-            if await _leader_pid(bus) == first.pid:
-                break
-            await asyncio.sleep(0.1)
         standby = await _planner(nats_url, "planner-b")
         replicas.append(standby)
-        await asyncio.sleep(0.5)  # several steps of the standby, each asking the live holder
+        await asyncio.sleep(0.5)  # steps of the standby (every 100 ms), each asking the live holder
         assert not standby.lease.is_leader(), "a holder that answers is not taken over"
         first.send_signal(signal.SIGKILL)
         first.wait(10)
@@ -430,13 +438,8 @@ async def test_a_stopped_leader_is_taken_over_only_when_its_lease_runs_out(
     unanswered, which is no verdict, and the TTL decides; the leader, continued, has lost
     the lease."""
     monkeypatch.setenv("PHALANX_PLANNER_LEASE_TTL_S", "2")
-    first = _planner_process(nats_url, tmp_path / "a.log")
+    first = await _leading_process(nats_url, bus, tmp_path / "a.log")
     try:
-        await _until_answers(bus)
-        for _ in range(100):
-            if await _leader_pid(bus) == first.pid:
-                break
-            await asyncio.sleep(0.1)
         standby = await _planner(nats_url, "planner-b")
         replicas.append(standby)
         first.send_signal(signal.SIGSTOP)
