@@ -135,15 +135,19 @@ class Planners:
             await asyncio.sleep(0.05)
         raise RuntimeError("no live planner holds the lease")
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        """SIGTERM each planner and wait for it without blocking the loop: the planners
+        drain their connections through the links this loop relays."""
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
+        deadline = time.monotonic() + 15.0
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
+            if p.poll() is None:
                 p.kill()
+                p.wait()
         for link in self.links.values():
             link.close()
 
@@ -278,7 +282,7 @@ async def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                 samples[fault].append(r["failover_s"])
             await bus.close()
         finally:
-            planners.stop()
+            await planners.stop()
     out: dict[str, Any] = {"bench": "failover", "trials": a.trials, "lease_ttl_s": a.lease_ttl}
     ok = True
     if "kill" in samples:

@@ -23,7 +23,9 @@ fault lands at different points of the baseline's 10-step checkpoint interval.
   ``restart_trials`` in the JSON says how many.
 
 Downtime = fault -> first training step completed after recovery (the slowest
-rank): median, p90 and max over the trials. Lost steps = completed steps that had
+rank): median, p90 and max over the trials. ``beyond_step_s`` (median, p90, max) is
+each trial's downtime less the Phalanx job's median steady step: what a fault costs
+beyond the step it redoes, a slow first step after recovery included. Lost steps = completed steps that had
 to be computed again. The phase medians and p90s come from the incident traces
 (the same spans Jaeger shows); ``verdict_to_plan_ms`` is the gap between the
 detector's verdict stored (end of ``detect``) and the planner starting on it
@@ -593,10 +595,16 @@ class Runs:
         gaps = [t["verdict_to_plan_ms"] for t in px if t["verdict_to_plan_ms"] is not None]
         rs_down = statistics.median(t["downtime_s"] for t in rs) if rs else None
         port_step, plain_step = statistics.median(self.port_s), statistics.median(self.plain_s)
+        # What a fault costs beyond the redone step: a first step after recovery that runs
+        # slower than a steady one counts against Phalanx.
+        beyond = _stats([t["downtime_s"] - port_step for t in px])
         return {
             "phalanx_downtime_s": down["median"],
             "phalanx_downtime_p90_s": down["p90"],
             "phalanx_downtime_max_s": down["max"],
+            "beyond_step_s": beyond["median"],
+            "beyond_step_p90_s": beyond["p90"],
+            "beyond_step_max_s": beyond["max"],
             "restart_downtime_s": None if rs_down is None else round(rs_down, 4),
             "downtime_ratio": None if rs_down is None else round(rs_down / down["median"], 2),
             "phalanx_lost_steps": max(t["lost_steps"] for t in px),

@@ -43,7 +43,13 @@ SMOKE = {  # module: (its tiny-size arguments, the keys its last JSON line must 
     ),
     "bench.recovery": (
         ["--quick", "--nproc", "2"],
-        {"phalanx_downtime_s", "phalanx_downtime_max_s", "restart_downtime_s", "downtime_ratio"},
+        {
+            "phalanx_downtime_s",
+            "phalanx_downtime_max_s",
+            "beyond_step_s",
+            "restart_downtime_s",
+            "downtime_ratio",
+        },
     ),
 }
 
@@ -67,6 +73,9 @@ HSDP_KEYS = {
     "phalanx_downtime_s",
     "phalanx_downtime_p90_s",
     "phalanx_downtime_max_s",
+    "beyond_step_s",
+    "beyond_step_p90_s",
+    "beyond_step_max_s",
     "restart_downtime_s",
     "steady_overhead_pct",
     "bytes_moved_ratio",
