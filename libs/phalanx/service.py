@@ -74,11 +74,13 @@ class Service:
         reply = self.health()
         return reply.status == "ok", reply.model_dump_json().encode()
 
-    async def serve_health(self) -> None:
-        async def on_ping(ping: Ping, raw: Msg) -> None:
-            await self.bus.reply(raw, self.health())
+    async def answer_ping(self, ping: Ping, raw: Msg) -> None:
+        await self.bus.reply(raw, self.health())
 
-        await self.bus.subscribe(HEALTH.format(service=self.name), on_ping, Ping, trace_messages=False)
+    async def serve_health(self) -> None:
+        await self.bus.subscribe(
+            HEALTH.format(service=self.name), self.answer_ping, Ping, trace_messages=False
+        )
 
 
 async def run_service(

@@ -178,9 +178,7 @@ class Lease:
         self._valid_until = now + self.ttl_s * 0.8
         self.elections += 1
         self.log.info(
-            "lease_acquired",
-            token=self.token,
-            previous=self.holder(entry.value if entry else None),
+            "lease_acquired", token=self.token, previous=self.holder(entry.value if entry else None)
         )
         return True
 

@@ -144,7 +144,7 @@ class ElasticityPlanner(Service):
         # asks there whether the holder is gone (lease.py).
         await self.bus.subscribe(
             INSTANCE_HEALTH.format(service=self.name, instance=presence(self.instance)),
-            self._on_presence,
+            self.answer_ping,
             Ping,
             trace_messages=False,
         )
@@ -152,7 +152,7 @@ class ElasticityPlanner(Service):
         # The lease's requests are bounded by a third of its TTL: one lost in a partition
         # must not hold a standby's step (nats.py's default: 5 s) past the TTL.
         lease_kv = await self.bus.kv.bucket(JOBS_BUCKET, leader=True, timeout_s=self.lease_ttl_s / 3)
-        self.lease = Lease(lease_kv, self.instance, self.lease_ttl_s, probe=self._holder_gone)
+        self.lease = Lease(lease_kv, self.instance, self.lease_ttl_s, probe=self._no_responders)
         if await self.lease.step():  # a lone planner leads before start() returns
             await self._lead()
         self._tasks = [
@@ -160,10 +160,7 @@ class ElasticityPlanner(Service):
             asyncio.create_task(self.runner.republish(), name="planner-republish"),
         ]
 
-    async def _on_presence(self, ping: Ping, raw: Msg) -> None:
-        await self.bus.reply(raw, self.health())
-
-    async def _holder_gone(self, token: str) -> bool:
+    async def _no_responders(self, token: str) -> bool:
         """Whether the planner answering ``token``'s subject is gone: the server says no one
         listens there (a reply, or no answer in time, says nothing of the kind)."""
         subject = INSTANCE_HEALTH.format(service=self.name, instance=token)
