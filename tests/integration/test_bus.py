@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from phalanx.bus import Bus, ensure_topology
+from phalanx.bus._connection import UNACKED_BOUND_S
 from phalanx.contract import ErrorEvent, FaultCause, Heartbeat, Message, Phase, RankFailed, RankHung, encode
 from phalanx.contract.codec import HDR_ENCODING, HDR_KIND, HDR_SCHEMA
 from phalanx.contract.streams import ERRORS, EVENTS
@@ -199,8 +201,14 @@ async def test_a_stale_pull_status_leaves_no_request_that_holds_the_next_message
     await spy.close()
 
 
+def _unacked_bound_ms(bus: Bus) -> int:
+    sock = bus.nc._transport._bare_io_writer.get_extra_info("socket")  # type: ignore[union-attr]
+    return int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+
+
 async def test_server_restart_mid_stream_loses_and_duplicates_nothing(nats_server: NatsServer) -> None:
     consumer = await Bus.connect(nats_server.url, name="svc")
+    assert _unacked_bound_ms(consumer) == UNACKED_BOUND_S * 1000
     producer = await Bus.connect(nats_server.url, name="pub")
     rec = Recorder()
     consumer.consume(EVENTS, "t-restart", [FAILED.wildcard()], rec, (RankFailed,), ack_wait_s=5.0)
@@ -225,6 +233,8 @@ async def test_server_restart_mid_stream_loses_and_duplicates_nothing(nats_serve
     assert sorted(got) == published == [f"r{i:03d}" for i in range(total)]
     assert len(got) == len(set(got)), f"duplicated to the handler: {[x for x in got if got.count(x) > 1]}"
     assert consumer.reconnects >= 1 and producer.reconnects >= 1
+    # the new connections' sockets drop unacknowledged bytes after the bound too
+    assert _unacked_bound_ms(consumer) == _unacked_bound_ms(producer) == UNACKED_BOUND_S * 1000
     info = await consumer.js.stream_info(EVENTS.name)
     assert info.state.messages == total
     await consumer.close()
