@@ -19,6 +19,9 @@ processes:
   generation of the plan its node holds;
 - receives plans through the design's :class:`~bench.scaleplan.PlanSource` (one per
   launcher, and one per followed rank where the design has ranks read NATS themselves);
+- answers the detector's probe of its node (``NODE_PROBE``, as ``NodeDigestPublisher``)
+  with its launcher id, from before its join until it is silenced (a node lost: its
+  launcher's connection is gone, so the server answers "no responders");
 - acknowledges: one :class:`~phalanx.contract.PlanAck` per member worker on ``ACK`` when
   the plan reaches it (a followed rank acknowledges what its own source delivered, the
   other ranks when their launcher holds the plan), and again for a plan re-sent on the
@@ -54,23 +57,36 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from bench.scaleplan import Held, PlanSource, design
 from phalanx.bus import Bus
 from phalanx.contract import (
     DigestEntry,
+    HealthReply,
     JobSpec,
     NodeAck,
     NodeDigest,
     NodeJoined,
     Phase,
+    Ping,
     PlanAck,
     Registered,
     Role,
     SpawnWorkers,
 )
 from phalanx.contract.codec import HDR_ENCODING
-from phalanx.contract.subjects import ACK, JOB_SPEC, JOINED, NODE_ACK, NODE_DIGEST, REGISTERED, SPAWN, Subject
+from phalanx.contract.subjects import (
+    ACK,
+    JOB_SPEC,
+    JOINED,
+    NODE_ACK,
+    NODE_DIGEST,
+    NODE_PROBE,
+    REGISTERED,
+    SPAWN,
+    Subject,
+)
 from phalanx.launcher.children import worker_names
 from phalanx.launcher.launcher import command_fingerprint
 
@@ -132,6 +148,7 @@ class SimNode:
     ranks: dict[str, int] = field(default_factory=dict)
     source: PlanSource | None = None
     seq: int = 0
+    probes: Subscription | None = None
 
     @property
     def name(self) -> str:
@@ -207,6 +224,15 @@ class Simulator:
 
     async def _join(self, n: SimNode) -> None:
         cfg = self.cfg
+
+        async def answer(ping: Ping, raw: Msg) -> None:
+            await self.bus.reply(
+                raw, HealthReply(service="launcher", status="ok", uptime_s=0.0, instance=n.launcher)
+            )
+
+        n.probes = await self.bus.subscribe(
+            NODE_PROBE.format(job=self.job, node=n.name), answer, Ping, trace_messages=False
+        )
         spec = JobSpec(
             job=self.job,
             node=n.name,
@@ -467,6 +493,8 @@ class Simulator:
         n = self.nodes[k]
         n.dead = True
         at = time.time()
+        if n.probes is not None:
+            await n.probes.unsubscribe()
         if n.source is not None:
             await n.source.stop()
         for rf in self.rank_followers.values():

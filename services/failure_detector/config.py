@@ -75,8 +75,14 @@ class DetectorConfig:
     """Heartbeats a sender may be ahead of the time since its last accepted one."""
     seq_rate: float = 2.0
     """How many times its own rate a sender's ``seq`` may advance (the bound's slope)."""
-    mass_hold_s: float = 10.0
-    """How long a mass silence holds its job's silence verdicts (0: never held)."""
+    mass_hold_s: float = 120.0
+    """The longest a mass silence holds its job's silence verdicts when nothing confirms
+    them (0: never held): longer than any stall the bus should have, shorter than the
+    NATS server's own judgement of a dead client (two missed pings, 2 min apart by
+    default), after which the probes answer "no responders" anyway (:mod:`.mass`)."""
+    mass_probe_s: float = 0.5
+    """How often the launchers of a mass silence's nodes are asked whether they are
+    there, and how long an answer is awaited."""
     mass_ratio: float = 0.5
     """Share of a job's tracked workers (or nodes) silent at once that makes a mass silence."""
     mass_min: int = 2
@@ -106,6 +112,8 @@ class DetectorConfig:
             raise ValueError("node_floor_s and worker_floor_s must be >= 0")
         if not self.mass_hold_s >= 0 or not 0 < self.mass_ratio <= 1 or self.mass_min < 1:
             raise ValueError("mass_hold_s >= 0, 0 < mass_ratio <= 1 and mass_min >= 1 are required")
+        if not self.mass_probe_s > 0:
+            raise ValueError("mass_probe_s must be positive")
         if self.collective_slack_ratio < 0 or self.collective_slack_intervals < 0:
             raise ValueError("collective slacks must be non-negative")
 
@@ -147,3 +155,7 @@ class Stats:
     mass_holds: int = 0
     mass_held: int = 0
     """Verdicts published after a mass-silence hold (their members stayed silent)."""
+    mass_probes: int = 0
+    """Answers (or their absence) to the detector's questions to held nodes' launchers."""
+    mass_confirmed: int = 0
+    """Mass-silence holds a survivor's failed collective ended early."""

@@ -67,12 +67,12 @@ from phalanx.services.failure_detector.config import Clock, DetectorConfig, Stat
 from phalanx.services.failure_detector.deadlines import Deadlines, Kind
 from phalanx.services.failure_detector.digests import DigestRow, Digests, digest_row
 from phalanx.services.failure_detector.liveness import Liveness
-from phalanx.services.failure_detector.mass import MassHold, MassSilence
+from phalanx.services.failure_detector.mass import MassHold, MassSilence, Probe
 from phalanx.services.failure_detector.rules import Rules
 from phalanx.services.failure_detector.tracking import Node, Tracking, Worker
 from phalanx.services.failure_detector.verdicts import Incident, Verdict, incident_id
 
-from phalanx.contract import Heartbeat, NodeDigest, Phase, Plan, RankExited, Registered
+from phalanx.contract import CollectiveError, Heartbeat, NodeDigest, Phase, Plan, RankExited, Registered
 
 __all__ = ["Detector"]
 
@@ -347,6 +347,33 @@ class Detector:
         """
         if self._live.hold(until):
             self.stats.holds += 1
+
+    # -- what confirms a mass silence ----------------------------------------------
+    def take_probes(self) -> list[tuple[str, str, str]]:
+        """(job, node, launcher) of each node held by a mass silence whose launcher is to
+        be asked now whether it is there (the service asks, and says :meth:`probed`)."""
+        return [(n.job, n.node, n.launcher) for n in self._mass.take_probes(self.clock())]
+
+    def probed(self, job: str, node: str, launcher: str, outcome: Probe) -> None:
+        """What asking ``launcher`` of a held node found: gone (no responders, or another
+        launcher answering for the node) makes its verdict due now."""
+        n = self._tracking.nodes.get((job, node))
+        if n is None or n.launcher != launcher:
+            return
+        now = self.clock()
+        if self._mass.probed(n, outcome, now):
+            self._deadlines.defer(Kind.NODE, n, now)
+
+    def collective_error(self, err: CollectiveError) -> None:
+        """A rank's collective failed: if its job is in a mass silence that began before,
+        the survivors confirm it, and every verdict it held is due now."""
+        now = self.clock()
+        for stall, b in self._mass.collective_error(err.job, err.worker, err.ts, now):
+            if isinstance(b, Node):
+                if self._tracking.nodes.get(b.key) is b:
+                    self._deadlines.defer(Kind.NODE, b, now)
+            elif self._tracked.get(b.key) is b:
+                self._deadlines.defer(Kind.STALL if stall else Kind.SILENCE, b, now)
 
     # -- judgement -----------------------------------------------------------------
     def due(self) -> bool:

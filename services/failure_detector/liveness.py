@@ -62,6 +62,9 @@ class Beat:
     min_silence_s: float = 0.0
     """The shortest silence taken for a fault whatever the estimate says (a node's
     launcher: ``DetectorConfig.node_floor_s``)."""
+    mass_held: bool = False
+    """Its verdict was held by a mass silence since its last arrival: the interval that
+    ends at its next one spans the hold and is not learned (:mod:`.mass`)."""
     gap_from: int | None = None
     """``last_seq`` before the last accepted advance when that advance skipped numbers
     (-1: the first one heard), else None: a heartbeat strictly between it and
@@ -94,7 +97,9 @@ class Liveness:
 
     def sample(self, b: Beat, now: float) -> None:
         """Learn the interval since ``b``'s last arrival (not one that spans a hold)."""
-        if b.last_arrival >= self.hold_until:
+        if b.mass_held:
+            b.mass_held = False
+        elif b.last_arrival >= self.hold_until:
             b.intervals.add(now - b.last_arrival)
 
     def estimate(self, b: Beat) -> None:

@@ -22,6 +22,9 @@ It listens to
   ``failure-detector-registrations``: the pid each worker runs as; a heartbeat or
   digest entry from another pid is refused, see :mod:`.detector`, "Inputs are
   checked");
+- failed collectives, ``phalanx.evt.<job>.comm_error.<worker>`` (a core subscription
+  to the JetStream subject: only those reported while it runs), the survivors' word
+  that a mass silence is real;
 
 and publishes one verdict per incident: :class:`~phalanx.contract.RankFailed` on
 ``phalanx.evt.<job>.failed`` (a process exited non-zero or by a signal) or
@@ -43,7 +46,10 @@ round trip, then the subscriptions' queues drained), so a detector that was
 itself slow does not blame the ranks. While disconnected from NATS, or after its
 own event loop stalled, it holds all verdicts (:meth:`Detector.hold`). When half a
 job goes silent at once it holds that job's silence verdicts
-(``mass_silence_hold`` in the log; :mod:`.detector`, "Mass silence").
+(``mass_silence_hold`` in the log) until something confirms them (:mod:`.mass`): it
+asks each held node's launcher, ``phalanx.node.<job>.<node>.ping``, every
+``mass_probe_s``; "no responders" judges that node at once; a failed collective
+reported meanwhile ends the hold.
 
 Refused input (a heartbeat from a pid the worker did not register, a sequence
 number beyond the bound, a message on the wrong subject or naming another
@@ -90,9 +96,10 @@ Configuration (environment, read through :mod:`phalanx.settings`; a bad value st
   digits, ``-``, ``_``; at most 32). It goes into the durable consumer names
   (``failure-detector-exits-<replica>``...), so every replica sees every exit, plan
   and registration; empty keeps the names of a single detector.
-- ``PHALANX_DETECTOR_MASS_HOLD_S`` (10): how long a mass silence (at least half of
-  a job's tracked workers, or of its nodes, and at least 2, silent within one
-  interval) holds that job's silence verdicts; 0 never holds.
+- ``PHALANX_DETECTOR_MASS_HOLD_S`` (120): the longest a mass silence (at least half
+  of a job's tracked workers, or of its nodes, and at least 2, silent within one
+  interval) holds that job's silence verdicts when nothing confirms them; 0 never
+  holds.
 
 Run it with ``python -m phalanx.services.failure_detector``.
 """
@@ -106,19 +113,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 from nats.aio.msg import Msg
 from phalanx.services.failure_detector.config import Clock, DetectorConfig
 from phalanx.services.failure_detector.detector import Detector
+from phalanx.services.failure_detector.mass import Probe
 from phalanx.services.failure_detector.publish import VerdictPublisher
 from phalanx.services.failure_detector.wire import read_digest
 
 from phalanx.bus import Bus
 from phalanx.contract import (
+    CollectiveError,
     DecodeError,
+    HealthReply,
     Heartbeat,
     Message,
     NodeDigest,
     NodeJoined,
+    Ping,
     Plan,
     RankExited,
     Registered,
@@ -127,10 +139,12 @@ from phalanx.contract import (
 )
 from phalanx.contract.streams import COMMANDS, EVENTS
 from phalanx.contract.subjects import (
+    COMM_ERROR,
     EXITED,
     HEARTBEAT,
     JOINED,
     NODE_DIGEST,
+    NODE_PROBE,
     PLAN,
     REGISTERED,
     SPAWN,
@@ -143,6 +157,9 @@ from phalanx.telemetry import extract_context
 __all__ = ["FailureDetector", "ServiceConfig"]
 
 _REPLICA = re.compile(r"[A-Za-z0-9_-]{1,32}")
+_PROBES_IN_FLIGHT = 256
+"""Questions to held nodes' launchers in flight at once (a mass silence at scale holds
+thousands of nodes)."""
 
 
 @dataclass(frozen=True)
@@ -264,6 +281,9 @@ class FailureDetector(Service):
         self.ticks = 0
         self._hb_sub: Any = None
         self._digest_sub: Any = None
+        self._comm_sub: Any = None
+        self._probes: set[asyncio.Task[None]] = set()
+        self._asking = asyncio.Semaphore(_PROBES_IN_FLIGHT)
         self._tick_task: asyncio.Task[None] | None = None
         self._ping: asyncio.Task[None] | None = None
         self._ping_epoch = 0
@@ -281,6 +301,9 @@ class FailureDetector(Service):
         )
         # Not Bus.subscribe: digests take the fast path of _on_digest_raw.
         self._digest_sub = await self.bus.subscribe_raw(NODE_DIGEST.wildcard(**tokens), self._on_digest_raw)
+        self._comm_sub = await self.bus.subscribe(
+            COMM_ERROR.wildcard(**tokens), self._on_comm_error, CollectiveError, trace_messages=False
+        )
         # Which node runs which worker: every answer the stream holds, from its start.
         for stream, what in ((EVENTS, "joins"), (COMMANDS, "spawns")):
             with contextlib.suppress(Exception):  # (a server away: the consumer reads on from where it was)
@@ -319,8 +342,10 @@ class FailureDetector(Service):
                 await self._tick_task
         if self._ping is not None and not self._ping.done():  # not cancelled: see _caught_up
             await asyncio.wait({self._ping}, timeout=1.0)
+        for t in list(self._probes):
+            t.cancel()
         await self.verdicts.drain(timeout=5.0)  # let verdicts already decided reach the bus
-        for sub in (self._hb_sub, self._digest_sub):
+        for sub in (self._hb_sub, self._digest_sub, self._comm_sub):
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -344,6 +369,8 @@ class FailureDetector(Service):
             "seq_resyncs": s.seq_resyncs,
             "mass_holds": s.mass_holds,
             "mass_held": s.mass_held,
+            "mass_probes": s.mass_probes,
+            "mass_confirmed": s.mass_confirmed,
             "replica": self.config.replica,
             "heartbeats": s.heartbeats,
             "ignored_heartbeats": s.ignored_heartbeats,
@@ -508,6 +535,10 @@ class FailureDetector(Service):
                     self.detector.hold(now)
                     self.log.warning("detector_lagged", lag_ms=round(lag * 1e3, 1))
                     continue
+                for job, node, launcher in self.detector.take_probes():
+                    t = asyncio.create_task(self._probe(job, node, launcher), name=f"probe-{job}-{node}")
+                    self._probes.add(t)
+                    t.add_done_callback(self._probes.discard)
                 if not self.detector.due():
                     continue
                 if not await self._caught_up():
@@ -528,6 +559,29 @@ class FailureDetector(Service):
                     )
             except Exception as exc:  # the loop must outlive any one bad tick
                 self.log.exception("tick_failed", error=repr(exc))
+
+    async def _probe(self, job: str, node: str, launcher: str) -> None:
+        """Ask a held node's launcher whether it is there (:mod:`.mass`)."""
+        async with self._asking:
+            try:
+                reply = await self.bus.request(
+                    NODE_PROBE.format(job=job, node=node),
+                    Ping(),
+                    HealthReply,
+                    timeout=self.config.detector.mass_probe_s,
+                )
+            except nats.errors.NoRespondersError:
+                outcome = Probe.GONE
+            except Exception:  # late, undecodable, or our own connection away: says nothing
+                outcome = Probe.SILENT
+            else:
+                outcome = Probe.ALIVE if reply.instance == launcher else Probe.REPLACED
+        if outcome is Probe.GONE or outcome is Probe.REPLACED:
+            self.log.info("mass_probe", job=job, node=node, launcher=launcher, outcome=outcome.value)
+        self.detector.probed(job, node, launcher, outcome)
+
+    async def _on_comm_error(self, msg: CollectiveError, raw: Msg) -> None:
+        self.detector.collective_error(msg)
 
     async def _caught_up(self) -> bool:
         """Whether every heartbeat and digest the server sent so far has been observed.

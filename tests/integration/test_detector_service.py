@@ -817,3 +817,31 @@ async def test_a_mass_silence_is_held_and_only_ranks_still_silent_after_it_are_j
         assert "mass_silence" not in alone.evidence
         assert [v.worker for v in events.verdicts()] == ["w0", "w3", "w1"]
         assert tracked(svc) == {"w2"} and svc.health_details()["mass_held"] == 1
+
+
+async def test_a_survivors_failed_collective_ends_a_mass_hold_at_once(
+    nats_url: str, bus: Bus, events: Events
+) -> None:
+    """Three ranks of four fall silent together: held (the hold would last 60 s); then
+    the fourth reports its all-reduce with them failed, and they are judged at once."""
+    from dataclasses import replace
+
+    from phalanx.contract import CollectiveError
+    from phalanx.contract.subjects import COMM_ERROR
+
+    config = replace(FAST, detector=replace(FAST.detector, mass_hold_s=60.0))
+    async with running_detector(nats_url, config) as svc:
+        ranks = {w: SimRank(bus, w, rank=i, pid=6500 + i) for i, w in enumerate(["w0", "w1", "w2", "w3"])}
+        await wait_until(lambda: tracked(svc) == set(ranks), what="ranks tracked")
+        await wait_until(lambda: all(svc.detector.snapshot("j1", w)["samples"] >= 10 for w in ranks))  # type: ignore[index]
+        for w in ("w1", "w2", "w3"):
+            ranks[w].silence()
+        await wait_until(lambda: svc.detector.mass_hold("j1") is not None, what="the hold")
+        t0 = time.monotonic()
+        err = CollectiveError(job="j1", worker="w0", rank=0, generation=1, step=3, error="peer closed")
+        await bus.publish(COMM_ERROR, err)
+        for w in ("w1", "w2", "w3"):
+            v = await events.one(w)
+            assert v.evidence["mass_confirmed"] == "collective_error:w0", v.evidence
+        assert time.monotonic() - t0 < 10.0  # not the hold's 60 s
+        assert svc.health_details()["mass_confirmed"] == 1

@@ -8,6 +8,7 @@ counters show it has looked long enough), never after a bare sleep.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -272,3 +273,62 @@ async def test_step_stall_through_digests_and_digest_on_the_wrong_subject(
         assert "nc-w9" not in tracked(detector)
     finally:
         await node.stop()
+
+
+async def test_a_mass_silence_judges_a_node_whose_launcher_is_gone_and_not_one_that_answers(
+    nats_url: str, sock_dir: Path, events: Events
+) -> None:
+    """Three nodes of four fall silent at once: held. The detector asks their launchers:
+    na's connection is closed ("no responders": judged at once), nb and nc still answer
+    with their digests stopped (a stalled path, not a death: never judged, not even
+    past the hold), and when their digests come back nothing is published."""
+    from dataclasses import replace
+
+    config = replace(FAST, detector=replace(FAST.detector, mass_hold_s=4.0, mass_probe_s=0.3))
+    bus = await Bus.connect(nats_url, name="failure-detector")
+    svc = FailureDetector(bus, config)
+    await svc.start()
+    made = {name: Node(nats_url, name, sock_dir) for name in ("na", "nb", "nc", "nd")}
+    try:
+        for n in made.values():
+            await n.start(1)
+        everyone = {w for n in made.values() for w in n.procs}
+        await wait_until(lambda: tracked(svc) == everyone, what="every worker tracked")
+        await wait_until(
+            lambda: all(
+                (s := svc.detector.snapshot(JOB, w)) is not None and s["samples"] >= 5 for w in everyone
+            ),
+            what="rhythm learnt",
+        )
+        stalled = [made["nb"].pub, made["nc"].pub]
+        for pub in stalled:  # digests stop, the launchers answer on
+            assert pub is not None and pub._task is not None
+            pub._task.cancel()
+        await made["na"].cut_off()
+        await wait_until(lambda: bool(events.verdicts()), what="NodeLost for na")
+        [lost] = events.verdicts()
+        assert isinstance(lost, NodeLost) and lost.node == "na"
+        assert lost.evidence["mass_confirmed"] == "no_responders" and lost.evidence["mass_silent_nodes"] == 3
+        assert float(lost.evidence["elapsed_ms"]) < 4000.0  # before the hold's end
+        # barrier: nd digests for 3 s past the hold's end; nb and nc are asked and answer
+        hold = svc.detector.mass_hold(JOB)
+        assert hold is not None
+        digests = svc.detector.stats.digests
+        await wait_until(lambda: svc.detector.clock() > hold.until + 3.0, timeout=30, what="past the hold")
+        assert svc.detector.stats.digests > digests + 20 and svc.detector.stats.mass_probes > 10
+        assert len(events.verdicts()) == 1, events.verdicts()
+        for pub in stalled:  # their digests again: nothing
+            assert pub is not None
+            pub._task = asyncio.create_task(pub._run())
+        probes = svc.detector.stats.mass_probes
+        digests = svc.detector.stats.digests
+        await wait_until(
+            lambda: svc.detector.stats.digests > digests + 60, what="6 s of three nodes' digests"
+        )
+        assert len(events.verdicts()) == 1 and svc.detector.stats.mass_probes <= probes + 2
+        assert sorted(n for _, n, _ in svc.detector.nodes()) == ["nb", "nc", "nd"]
+    finally:
+        for n in made.values():
+            await n.stop()
+        await svc.stop()
+        await bus.close()

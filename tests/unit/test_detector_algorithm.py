@@ -11,11 +11,13 @@ import random
 import pytest
 from phalanx.services.failure_detector.config import DetectorConfig
 from phalanx.services.failure_detector.detector import Detector
+from phalanx.services.failure_detector.mass import Probe
 from phalanx.services.failure_detector.phi import PHI_CAP, IntervalWindow, phi, phi_threshold_z
 from phalanx.services.failure_detector.service import ServiceConfig
 from phalanx.services.failure_detector.verdicts import Incident, NodeIncident, incident_id, node_incident_id
 
 from phalanx.contract import (
+    CollectiveError,
     DigestEntry,
     FaultCause,
     Heartbeat,
@@ -803,13 +805,23 @@ class SimNode:
         self.det.observe_digest(d)
 
 
-def drive(clock: FakeClock, det: Detector, nodes: list[SimNode], seconds: float, dt: float = 0.005) -> list:
-    """Advance time in small steps; nodes beat and digest; returns (time, verdict) pairs."""
+def drive(
+    clock: FakeClock,
+    det: Detector,
+    nodes: list[SimNode],
+    seconds: float,
+    dt: float = 0.005,
+    answers: dict[str, Probe] | None = None,
+) -> list:
+    """Advance time in small steps; nodes beat and digest; returns (time, verdict) pairs.
+    ``answers``: what asking each held node's launcher finds (as the service would ask)."""
     out = []
     end = clock.monotonic() + seconds
     while clock.monotonic() < end - 1e-9:
         for n in nodes:
             n.advance(clock.monotonic())
+        for job, node, launcher in det.take_probes():
+            det.probed(job, node, launcher, (answers or {}).get(node, Probe.SILENT))
         out += [(clock.monotonic(), v) for v in det.tick()]
         clock.advance(dt)
     return out
@@ -1667,9 +1679,63 @@ def test_half_the_nodes_of_a_job_silent_at_once_are_held() -> None:
     assert len(det) == 24 and sorted(n for _, n, _ in det.nodes()) == ["n0", "n1", "n3"]
 
 
+def test_a_held_node_is_judged_when_its_launcher_is_gone_and_never_while_it_answers() -> None:
+    """Four nodes of six fall silent together (a stalled bus, as the detector sees it).
+    Asking their launchers decides: "no responders" or another launcher answering for
+    the node judges it at once; one that answers is not judged while it does; one that
+    does not answer waits for the backstop. A hold's silence is not learned."""
+    det, clock = make(mass_hold_s=5.0, mass_probe_s=0.5)
+    rng = random.Random(4)
+    nodes = [SimNode(det, clock, k, rng, ranks=2) for k in range(6)]
+    drive(clock, det, nodes, 2.0)
+    mean_before = det.node_snapshot("j1", "n2")["mean_ms"]  # type: ignore[index]
+    for n in nodes[1:5]:
+        n.silent = True
+    answers = {"n1": Probe.GONE, "n2": Probe.ALIVE, "n3": Probe.SILENT, "n4": Probe.REPLACED}
+    early = drive(clock, det, nodes, 2.0, answers=answers)
+    [hold] = det.take_mass_holds()
+    assert (hold.nodes, hold.tracked_nodes) == (4, 6)
+    judged = {v.node: v for _, v in early}
+    assert sorted(judged) == ["n1", "n4"], judged
+    assert judged["n1"].evidence["mass_confirmed"] == "no_responders"
+    assert judged["n4"].evidence["mass_confirmed"] == "another_launcher"
+    assert all(float(v.evidence["elapsed_ms"]) < 2000.0 for v in judged.values())  # not the hold's 5 s
+    late = drive(clock, det, nodes, 5.0, answers=answers)
+    [(_, n3)] = late  # past the backstop: the one that never answered
+    assert n3.node == "n3" and n3.evidence["mass_confirmed"] == "hold_elapsed"
+    assert isinstance(n3, NodeIncident) and n3.evidence["mass_probe"] == "no_answer"
+    nodes[2].silent = False  # n2's digests come back: nothing, and 7 s of silence not learned
+    assert drive(clock, det, nodes, 1.0, answers=answers) == []
+    assert det.node_snapshot("j1", "n2")["mean_ms"] == pytest.approx(mean_before, rel=0.2)  # type: ignore[index]
+    assert det.stats.mass_probes > 10 and sorted(n for _, n, _ in det.nodes()) == ["n0", "n2", "n5"]
+
+
+def test_a_survivors_failed_collective_ends_a_mass_hold_and_an_older_one_does_not() -> None:
+    det, clock = make(mass_hold_s=30.0)
+    ranks = [Rank(det, clock, f"w{i}", rank=i, pid=10 + i) for i in range(4)]
+    run(clock, det, ranks, 2.0)
+    before = clock.wall() - 5.0  # a failed collective from before the silence began
+
+    def failed(worker: str, ts: float) -> CollectiveError:
+        return CollectiveError(
+            job="j1", worker=worker, rank=0, generation=1, step=7, error="peer gone", ts=ts
+        )
+
+    det.collective_error(failed("w0", before))  # (heard before the hold: it does not start confirmed)
+    assert run(clock, det, ranks[:1], 1.0) == []  # w1..w3 silent together: held
+    det.collective_error(failed("w0", before))
+    assert run(clock, det, ranks[:1], 1.0) == []  # still held
+    det.collective_error(failed("w0", clock.wall()))  # w0's all-reduce with them failed just now
+    out = run(clock, det, ranks[:1], 0.05)
+    assert sorted(v.worker for v in out) == ["w1", "w2", "w3"]
+    for v in out:
+        assert v.evidence["mass_confirmed"] == "collective_error:w0" and v.evidence["mass_hold_ms"] < 2000.0
+    assert det.stats.mass_confirmed == 1
+
+
 def test_service_config_replica_and_mass_hold_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     d = ServiceConfig.from_settings()
-    assert (d.replica, d.durable("exits"), d.detector.mass_hold_s) == ("", "failure-detector-exits", 10.0)
+    assert (d.replica, d.durable("exits"), d.detector.mass_hold_s) == ("", "failure-detector-exits", 120.0)
     c = _config_from(monkeypatch, {"PHALANX_DETECTOR_REPLICA": "b-2", "PHALANX_DETECTOR_MASS_HOLD_S": "0"})
     assert c.replica == "b-2" and c.detector.mass_hold_s == 0.0
     assert [c.durable(x) for x in ("exits", "plans", "registrations")] == [

@@ -63,6 +63,7 @@ from phalanx.contract.subjects import (
     NODE_ACK,
     NODE_DIGEST,
     NODE_LOST,
+    NODE_PROBE,
     PLAN,
     PREEMPT,
     PROPOSAL,
@@ -76,7 +77,7 @@ from phalanx.natsauth import NatsAuth, main
 
 EXPECTED: dict[str, set[Subject]] = {
     "planner": {PLAN, DELTA, DECISION, JOINED, SPAWN},
-    "detector": {FAILED, HUNG, NODE_LOST},
+    "detector": {FAILED, HUNG, NODE_LOST, NODE_PROBE},  # NODE_PROBE: a request to a launcher
     "launcher": {JOB_SPEC, EXITED, NODE_DIGEST, NODE_ACK, STEPS, ERROR},  # ERROR: as launcher-<job>-<node>
     "rank": {HEARTBEAT, REGISTERED, ACK, COMM_ERROR, RECOVERED, ERROR},  # ERROR: as rank-<worker>
     "scheduler": {CAPACITY, PREEMPT},
@@ -288,6 +289,10 @@ def test_a_nodes_launcher_speaks_only_for_its_node() -> None:
         assert may_publish(perms, subject.format(job="j1", node="a")), subject.pattern
         assert not may_publish(perms, subject.format(job="j1", node="b")), subject.pattern
         assert not may_publish(perms, subject.format(job="j2", node="a")), subject.pattern
+    # It answers the detector's question about its own node only (a reply needs allow_responses).
+    assert may_subscribe(perms, NODE_PROBE.format(job="j1", node="a")) and perms.allow_responses
+    assert not may_subscribe(perms, NODE_PROBE.format(job="j1", node="b"))
+    assert not may_publish(perms, NODE_PROBE.format(job="j1", node="b"))
     # It is handed its own workers' logins only: never another node's.
     env = auth.launcher_env("j1", "a")
     assert env[ENV_NATS_USER] == "launcher@j1/a"
@@ -305,7 +310,7 @@ def test_a_nodes_launcher_speaks_only_for_its_node() -> None:
 @pytest.mark.parametrize("role", ["launcher", "rank"])
 def test_a_jobs_user_reads_only_its_job(role: str) -> None:
     perms = permissions(role, job="j1", worker="w0" if role == "rank" else None)
-    receives = {PLAN} if role == "rank" else {DELTA, DECISION, JOINED, SPAWN}
+    receives = {PLAN} if role == "rank" else {DELTA, DECISION, JOINED, SPAWN, NODE_PROBE}
     for subject in CATALOGUE:
         assert may_subscribe(perms, _in_job(subject, "j1")) == (subject in receives), subject.pattern
         assert not may_subscribe(perms, _in_job(subject, "j2")), subject.pattern

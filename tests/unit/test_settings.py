@@ -57,7 +57,7 @@ def test_defaults() -> None:
         100.0,
         8.0,
         100,
-        10.0,
+        120.0,
     )
     assert (d.detector_tick_ms, d.detector_job, d.detector_replica) == (None, None, "")
     p = load(PlannerSettings)

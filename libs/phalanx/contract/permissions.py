@@ -369,5 +369,5 @@ def permissions(
         publish_allow=tuple(dict.fromkeys(pub)),
         publish_deny=tuple(dict.fromkeys(deny)),
         subscribe_allow=tuple(dict.fromkeys(sub)),
-        allow_responses=r.service is not None,
+        allow_responses=r.service is not None or role == LAUNCHER,  # a launcher answers the detector's probe
     )

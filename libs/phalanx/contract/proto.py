@@ -90,6 +90,7 @@ from phalanx.contract.subjects import (
     NODE_ACK,
     NODE_DIGEST,
     NODE_LOST,
+    NODE_PROBE,
     PLAN,
     PREEMPT,
     PROPOSAL,
@@ -126,7 +127,8 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     NODE_DIGEST.pattern: (("launcher",), ("failure-detector", "policy")),
     REGISTERED.pattern: (("rank",), ("failure-detector", "elasticity-planner")),
     EXITED.pattern: (("launcher",), ("failure-detector", "elasticity-planner")),
-    COMM_ERROR.pattern: (("rank",), ("elasticity-planner",)),
+    # The detector takes a failed collective as a survivor's word that a mass silence is real.
+    COMM_ERROR.pattern: (("rank",), ("elasticity-planner", "failure-detector")),
     FAILED.pattern: (("failure-detector",), ("elasticity-planner",)),
     HUNG.pattern: (("failure-detector",), ("elasticity-planner",)),
     NODE_LOST.pattern: (("failure-detector",), ("elasticity-planner",)),
@@ -164,6 +166,8 @@ PARTIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     # A standby planner asks the lease holder, which answers its own instance's subject.
     INSTANCE_HEALTH.pattern: (("elasticity-planner",), ("elasticity-planner",)),
+    # The detector asks the launchers of a mass silence whether they are there.
+    NODE_PROBE.pattern: (("failure-detector",), ("launcher",)),
 }
 
 # What the KV bucket's keys hold (no headers there: the reader knows the kind by the key).
@@ -175,7 +179,11 @@ LOCAL_SOCKETS: dict[str, type[Message]] = {"$PHALANX_PLAN_SOCKET (launcher -> it
 CLUSTER_RECORDS: dict[str, type[ClusterState]] = {"<cluster>": ClusterState}
 
 # The request each request/reply subject takes; its reply is ``Subject.message``.
-REQUESTS: dict[str, type[Message]] = {HEALTH.pattern: Ping, INSTANCE_HEALTH.pattern: Ping}
+REQUESTS: dict[str, type[Message]] = {
+    HEALTH.pattern: Ping,
+    INSTANCE_HEALTH.pattern: Ping,
+    NODE_PROBE.pattern: Ping,
+}
 
 PARAMETERS: dict[str, str] = {
     "job": "Job id: letters, digits, '_' and '-' (at most 64).",

@@ -228,6 +228,14 @@ INSTANCE_HEALTH = Subject(
     "Ask one instance of a service how it is (request: Ping). The server answers 'no responders'"
     " once that instance's connection is gone: a standby planner asks the lease holder.",
 )
+NODE_PROBE = Subject(
+    "phalanx.node.{job}.{node}.ping",
+    HealthReply,
+    Transport.REQUEST,
+    "Ask a node's launcher whether it is there (request: Ping; its reply names the launcher)."
+    " The server answers 'no responders' once that launcher's connection is gone: the"
+    " failure-detector asks the nodes of a mass silence before any verdict on them.",
+)
 
 CATALOGUE: tuple[Subject, ...] = (
     HEARTBEAT,
@@ -255,6 +263,7 @@ CATALOGUE: tuple[Subject, ...] = (
     ERROR,
     HEALTH,
     INSTANCE_HEALTH,
+    NODE_PROBE,
 )
 
 

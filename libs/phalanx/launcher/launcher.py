@@ -185,7 +185,20 @@ class Launcher:
         await bus.subscribe(DECISION.format(job=self.job), self._on_decision, PlanDecision)
         await bus.subscribe(JOINED.format(job=self.job), self._on_joined, NodeJoined)
         await bus.subscribe(SPAWN.format(job=self.job), self._on_spawn, SpawnWorkers)
-        self.follower = NodePlanFollower(bus, self.job, self.node, self._worker_names, self._apply_plan)
+        self.digests = NodeDigestPublisher(
+            bus,
+            job=self.job,
+            node=self.node,
+            launcher=self.id,
+            host=socket.gethostname(),
+            socket_path=self._tmp / "hb.sock",
+            interval_s=load(LauncherSettings).heartbeat_interval_s,
+            on_heartbeat=self._heard,
+        )
+        await self.digests.answer_probes()  # "is this node's launcher there?": from before the join
+        self.follower = NodePlanFollower(
+            bus, self.job, self.node, lambda: set(self.workers), self._apply_plan
+        )
         await self.follower.start()  # deltas from now on; taken once the join names the run
         joined = await self._join()
         try:
@@ -199,16 +212,6 @@ class Launcher:
             Role.SPARE if joined.as_spares or i >= cfg.nproc else Role.RANK
             for i in range(len(joined.workers))
         ]
-        self.digests = NodeDigestPublisher(
-            bus,
-            job=self.job,
-            node=self.node,
-            launcher=self.id,
-            host=socket.gethostname(),
-            socket_path=self._tmp / "hb.sock",
-            interval_s=load(LauncherSettings).heartbeat_interval_s,
-        )
-        self.digests.on_heartbeat = self._heard
         await self.digests.start()
         self.log.info("node_joined", run=self.run, workers=joined.workers, reason=joined.reason)
         await asyncio.to_thread(self.starter.wait_ready, cfg.store_timeout_s)
@@ -245,9 +248,6 @@ class Launcher:
     async def _on_joined(self, msg: NodeJoined, raw: Msg) -> None:
         if msg.launcher == self.id and self._joined is not None and not self._joined.done():
             self._joined.set_result(msg)
-
-    def _worker_names(self) -> set[str]:
-        return set(self.workers)
 
     def _heard(self, hb: Heartbeat) -> None:
         self.metrics.heartbeat(hb)
@@ -403,7 +403,7 @@ class Launcher:
         if self.store is not None:
             self.store.allow(plan.store_secret)  # before any rank of this node hears of the plan
         if by_message and self.handout is not None and self.plan is not None:
-            self.handout.hand_out(plan, self._worker_names(), resend=True)  # acknowledge again
+            self.handout.hand_out(plan, set(self.workers), resend=True)  # acknowledge again
         if not plan.supersedes(self.plan):
             return  # the plan we have, or an older one (from a planner that has been replaced)
         self.plan = plan

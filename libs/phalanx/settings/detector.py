@@ -78,10 +78,11 @@ class DetectorSettings(ServiceSettings, HeartbeatSettings):
         description="This replica's name in its durable consumer names (empty: a single detector's).",
     )
     detector_mass_hold_s: float = Field(
-        default=10.0,
+        default=120.0,
         ge=0,
         allow_inf_nan=False,
-        description="How long a mass silence holds a job's verdicts; 0 never holds.",
+        description="The longest a mass silence holds a job's verdicts when nothing confirms them;"
+        " 0 never holds.",
     )
 
     @property

@@ -24,6 +24,11 @@ loss). The launcher gathers them and publishes them on JetStream about once a
 second (:class:`~phalanx.contract.StepStats` on ``phalanx.evt.<job>.steps``), off
 the digest's schedule, so a slow acknowledgement never delays a digest; that
 record of the run is what ``phalanx report`` draws after the job.
+
+The launcher also answers the detector's probe of its node
+(``phalanx.node.<job>.<node>.ping``) with its own id: when many nodes fall silent
+at once, the detector asks before it judges any of them, and the server's "no
+responders" (this launcher's connection is gone) is what confirms a node lost.
 """
 
 from __future__ import annotations
@@ -39,19 +44,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats.aio.subscription
+from nats.aio.msg import Msg
+
 from phalanx.bus import Bus
 from phalanx.contract import (
     DecodeError,
     DigestEntry,
+    HealthReply,
     Heartbeat,
     NodeDigest,
     Phase,
+    Ping,
     StepRecord,
     StepStats,
     decode,
     headers_for,
 )
-from phalanx.contract.subjects import NODE_DIGEST, STEPS
+from phalanx.contract.subjects import NODE_DIGEST, NODE_PROBE, STEPS
 
 __all__ = ["NodeDigestPublisher"]
 
@@ -88,6 +98,7 @@ class NodeDigestPublisher:
         socket_path: Path,
         interval_s: float,
         steps_interval_s: float = STEPS_INTERVAL_S,
+        on_heartbeat: Callable[[Heartbeat], None] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
@@ -107,13 +118,15 @@ class NodeDigestPublisher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._refused_logged_at = -1.0
         self._refused_unlogged = 0
-        self.on_heartbeat: Callable[[Heartbeat], None] | None = None
+        self.on_heartbeat = on_heartbeat
         """Called with every heartbeat accepted (the launcher's metrics)."""
         self.steps_interval_s = steps_interval_s
         self.steps_seq = 0
         self._steps: list[StepRecord] = []
         self._pending: StepStats | None = None  # sent, not yet acknowledged
         self._steps_task: asyncio.Task[None] | None = None
+        self._probe_sub: nats.aio.subscription.Subscription | None = None
+        self._started = time.monotonic()
 
     # -- the launcher's side -----------------------------------------------------------
     def expect(self, worker: str, pid: int) -> None:
@@ -145,6 +158,7 @@ class NodeDigestPublisher:
             sock.close()
             raise
         self._sock = sock
+        await self.answer_probes()  # (already, if the launcher asked first)
         loop.add_reader(sock.fileno(), self._drain)
         self._task = asyncio.create_task(self._run(), name=f"node-digest-{self.node}")
         self._steps_task = asyncio.create_task(self._run_steps(), name=f"node-steps-{self.node}")
@@ -176,6 +190,32 @@ class NodeDigestPublisher:
             self._sock = None
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
+        if self._probe_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._probe_sub.unsubscribe()
+            self._probe_sub = None
+
+    async def answer_probes(self) -> None:
+        """Answer the detector's question whether this node's launcher is there (before
+        the first digest: the detector may ask as soon as it tracks the node)."""
+        if self._probe_sub is None:
+            self._probe_sub = await self.bus.subscribe(
+                NODE_PROBE.format(job=self.job, node=self.node), self._on_probe, Ping, trace_messages=False
+            )
+
+    async def _on_probe(self, ping: Ping, raw: Msg) -> None:
+        """The detector asks whether this node's launcher is there: it is, and says which."""
+        details: dict[str, str | int | float | bool] = {"seq": self.seq, "workers": len(self._expected)}
+        await self.bus.reply(
+            raw,
+            HealthReply(
+                service="launcher",
+                status="ok",
+                uptime_s=round(time.monotonic() - self._started, 3),
+                instance=self.launcher,
+                details=details,
+            ),
+        )
 
     # -- receiving -----------------------------------------------------------------------
     def _drain(self) -> None:
