@@ -362,3 +362,18 @@ class NetnsCluster:
     def heal(self, node: str) -> None:
         """Undo :meth:`partition` (the kernel restores the subnet's route with the link)."""
         self._in(node, "ip", "link", "set", "dev", self.ifname(node), "up")
+
+    def blackhole(self, node: str, port: int, peers: Sequence[str], *, on: bool = True) -> None:
+        """Drop every TCP segment between ``port`` on ``node`` and the ``peers``' addresses,
+        both ways (``on=False`` removes the rules): a server there falls silent to those
+        nodes, with no reset and no error, and answers everyone else (its own node, the
+        host). Needs ``iptables`` (the rules live in the node's namespace and go with it).
+        """
+        op = "-I" if on else "-D"
+        for peer in peers:
+            ip = self.ip(peer)
+            for rule in (
+                ["INPUT", "-s", ip, "-p", "tcp", "--dport", str(port)],
+                ["OUTPUT", "-d", ip, "-p", "tcp", "--sport", str(port)],
+            ):
+                self._in(node, "iptables", "-w", op, *rule, "-j", "DROP")
