@@ -470,6 +470,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--rungs", default="ddp,hsdp,unmodified")
     ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument(
+        "--cells",
+        default="",
+        help="run only these <rung>/<fault> cells (comma-separated) of --rungs x --faults",
+    )
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--baseline-trials", type=int, default=1, help="per rung; 0 skips the baseline")
     ap.add_argument("--baseline-cap", type=float, default=60.0, help="seconds a hung torchrun job is given")
@@ -483,9 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     rungs = _rungs(args.smoke)
     chosen = [r.strip() for r in args.rungs.split(",") if r.strip()]
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    only = {c.strip() for c in args.cells.split(",") if c.strip()}
     bad = [r for r in chosen if r not in rungs] + [f for f in faults if f not in FAULTS]
+    bad += sorted(only - {f"{r}/{f}" for r in chosen for f in faults})
     if bad or args.trials < 1:
-        ap.error(f"unknown rung or fault {bad}, or --trials < 1")
+        ap.error(f"unknown rung, fault or cell {bad}, or --trials < 1")
     if args.smoke:
         args.trials, args.steps = 1, 12
     cells: dict[str, Any] = {}
@@ -502,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
                 rung = rungs[name]
                 for fault in faults:
                     key = f"{name}/{fault}"
+                    if only and key not in only:
+                        continue
                     if name == "unmodified" and fault in UNMODIFIED:
                         not_run[key] = UNMODIFIED[fault]
                         continue
