@@ -410,6 +410,7 @@ def test_the_launcher_gives_each_worker_its_own_login(
 ) -> None:
     """Launcher.spawn: a listed worker gets its own user, another the job's rank user."""
     import subprocess
+    import tempfile
 
     from phalanx.contract import Role as WorkerRole
     from phalanx.launcher.launcher import LaunchConfig, Launcher
@@ -431,6 +432,7 @@ def test_the_launcher_gives_each_worker_its_own_login(
 
     monkeypatch.setattr(subprocess, "Popen", FakeProc)
     monkeypatch.setattr(Launcher, "_watch", lambda self, w: None)  # no exit to report
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the launchers' own directories, never stopped
     env = {**auth.launcher_env("j1"), ENV_RANK_USER: "rank@j1", ENV_RANK_PASSWORD: "pw"}
     launcher = Launcher(LaunchConfig(job="j1", cmd=["true"], nproc=2, env=env))
     launcher.spawn("w0", WorkerRole.RANK)
