@@ -132,9 +132,10 @@ class InputChecks:
         self.refuse(job, worker, pid, seq, why, "pid")
         return True
 
-    def sequence(self, b: Worker | Node, seq: int, now: float, what: str) -> Seq:
+    def sequence(self, b: Worker | Node, seq: int, now: float, what: str, late_s: float = 0.0) -> Seq:
         """Where ``seq`` stands in ``b``'s sequence; remembers a gap it skips (and
-        counts a resync). The caller takes a RESYNC or NEXT as ``b``'s latest."""
+        counts a resync). The caller takes a RESYNC or NEXT as ``b``'s latest.
+        ``late_s``: how long after it was sent the detector took it (:meth:`seq_refused`)."""
         last = b.last_seq
         if seq <= last:
             gap = b.gap_from
@@ -144,17 +145,21 @@ class InputChecks:
             b.gap_from = None
             return Seq.RESYNC
         ahead = seq - last
-        if ahead > self.seq_slack and self.seq_refused(b, seq, now, what):
+        if ahead > self.seq_slack and self.seq_refused(b, seq, now, what, late_s):
             return Seq.REFUSED
         b.gap_from = last if ahead > 1 else None
         return Seq.NEXT
 
-    def seq_refused(self, b: Worker | Node, seq: int, now: float, what: str) -> bool:
+    def seq_refused(self, b: Worker | Node, seq: int, now: float, what: str, late_s: float = 0.0) -> bool:
         """Whether ``seq`` is beyond the sequence bound of ``b`` (then refused).
 
         The bound is ``seq_slack + seq_rate x elapsed / interval`` past ``b.last_seq``:
-        ``elapsed`` since its last accepted heartbeat (or digest), ``interval`` the
-        smaller of the one declared when it was first heard and the learned one. It
+        ``elapsed`` since its last accepted heartbeat (or digest), plus ``late_s``, how
+        long after it was sent this one was taken (by the sender's clock: a detector
+        working through a backlog takes in a second what was sent over ten, and the
+        server drops some of it to a slow consumer; the gap is then no forger's jump;
+        a sender that dates its messages back loosens only its own bound), ``interval``
+        the smaller of the one declared when it was first heard and the learned one. It
         does not apply before an interval is known, nor while the detector holds (time
         says nothing about what the sender did then).
         """
@@ -168,7 +173,7 @@ class InputChecks:
                 iv = mean
         if iv <= 0.0:
             return False
-        elapsed = now - b.last_arrival
+        elapsed = now - b.last_arrival + (late_s if late_s > 0.0 else 0.0)
         bound = self.seq_slack + self._seq_rate * (elapsed if elapsed > 0.0 else 0.0) / iv
         ahead = seq - b.last_seq
         if ahead <= bound:

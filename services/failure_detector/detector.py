@@ -224,7 +224,7 @@ class Detector:
             )  # fmt: skip
             fresh = True
         else:
-            seq = self._checks.sequence(w, hb.seq, now, "heartbeat")
+            seq = self._checks.sequence(w, hb.seq, now, "heartbeat", self.wall() - hb.ts)
             if seq is Seq.STALE:
                 self.stats.ignored_heartbeats += 1
                 return False
@@ -247,7 +247,7 @@ class Detector:
         entry moved on); returns False when it was ignored: a repeated or out-of-order
         ``seq``, or a launcher already judged lost."""
         rows = [digest_row(e) for e in d.entries]
-        return self.observe_digest_rows(d.job, d.node, d.launcher, d.host, d.seq, d.interval_ms, rows)
+        return self.observe_digest_rows(d.job, d.node, d.launcher, d.host, d.seq, d.interval_ms, rows, d.ts)
 
     def observe_digest_rows(
         self,
@@ -258,11 +258,14 @@ class Detector:
         seq: int,
         interval_ms: float,
         rows: list[DigestRow],
+        sent_at: float | None = None,
     ) -> bool:
         """:meth:`observe_digest` for a digest already validated and taken apart (the
-        service's hot path: no model per entry)."""
+        service's hot path: no model per entry); ``sent_at``: its ``ts``."""
+        wall = self.wall()
+        late = wall - sent_at if sent_at is not None else 0.0
         return self._digests.observe(
-            self.clock(), self.wall(), job, node, launcher, host, seq, interval_ms, rows
+            self.clock(), wall, job, node, launcher, host, seq, interval_ms, rows, late
         )
 
     def on_exit(self, ex: RankExited) -> Incident | None:

@@ -66,11 +66,13 @@ class Digests:
         seq: int,
         interval_ms: float,
         rows: list[DigestRow],
+        late_s: float = 0.0,
     ) -> bool:
-        """Learn from one digest received at ``now``; False when it was ignored: a
-        repeated or out-of-order ``seq``, or a launcher already judged lost."""
+        """Learn from one digest received at ``now``, ``late_s`` after it was sent;
+        False when it was ignored: a repeated or out-of-order ``seq``, or a launcher
+        already judged lost."""
         interval = interval_ms / 1e3
-        n = self._node(now, wall, job, node, launcher, host, seq, interval)
+        n = self._node(now, wall, job, node, launcher, host, seq, interval, late_s)
         if n is None:
             return False
         key = n.key
@@ -103,7 +105,7 @@ class Digests:
                 continue
             ahead = seq - w.last_seq
             if ahead > 1:  # (the sequence bound, and remember the gap: InputChecks.sequence)
-                if ahead > slack and self._checks.seq_refused(w, seq, now, "digest entry"):
+                if ahead > slack and self._checks.seq_refused(w, seq, now, "digest entry", late_s):
                     continue
                 w.gap_from = w.last_seq
             else:
@@ -160,6 +162,7 @@ class Digests:
         host: str,
         seq: int,
         interval: float,
+        late_s: float,
     ) -> Node | None:
         """The node's record, with the digest taken as its latest heartbeat; None when
         the digest is ignored or refused."""
@@ -174,7 +177,7 @@ class Digests:
                 tracking.close(node_incident_id(n.job, n.node, n.launcher), "replaced")
             n = tracking.new_node(job, node, launcher, host, seq, interval, now, wall)
         else:
-            s = self._checks.sequence(n, seq, now, "digest")
+            s = self._checks.sequence(n, seq, now, "digest", late_s)
             if s is Seq.STALE:
                 self._stats.ignored_digests += 1
                 return None

@@ -438,7 +438,7 @@ class FailureDetector(Service):
                 await self.bus.report_bad_input(raw.subject, DecodeError(reason, NodeDigest.KIND))
                 return
             self._lag_digest.observe(max(0.0, self.wall() - sent_at[0]))
-            self.detector.observe_digest_rows(*fields)
+            self.detector.observe_digest_rows(*fields, sent_at=sent_at[0])
             if self.detector.refused:
                 await self._report_refused(raw.subject, NodeDigest.KIND)
         except Exception as exc:

@@ -1588,6 +1588,29 @@ def test_forged_digest_entries_and_digests_are_refused_and_change_nothing() -> N
     assert len(det) == 24
 
 
+def test_a_gap_the_detector_took_late_is_no_forgers_jump() -> None:
+    """A detector working through a backlog takes a node's digests seconds after they
+    were sent, and the server drops some of them to it as a slow consumer: the next one
+    it takes is far ahead after a second of its own time (16,384 ranks on this box: 22
+    ahead after 1.3 s, refused, and the node deaf for seconds). Counted from when it was
+    sent, that is the node's own pace: taken. The same jump sent just now is refused."""
+    det, clock = make()
+    rng = random.Random(11)
+    nodes = [SimNode(det, clock, k, rng) for k in range(2)]
+    drive(clock, det, nodes, 2.0)
+    n0 = nodes[0]
+    real = n0._digest(clock.monotonic()).model_copy(update={"ts": clock.wall()})
+    assert det.observe_digest(real)
+    clock.advance(1.0)  # the bound after a second: 5 + 2 x 1.0 / 0.1 = 25 ahead
+    fresh = real.model_copy(update={"seq": real.seq + 40, "ts": clock.wall()})
+    assert not det.observe_digest(fresh)
+    [refusal] = det.take_refused()
+    assert (refusal.kind, refusal.worker) == ("seq", "node:n0")
+    late = fresh.model_copy(update={"ts": clock.wall() - 11.0})  # sent 11 s ago
+    assert det.observe_digest(late)
+    assert det.take_refused() == [] and det.node_snapshot("j1", "n0")["last_seq"] == real.seq + 40  # type: ignore[index]
+
+
 def test_a_launcher_speaks_only_for_the_workers_of_its_node() -> None:
     """Once the planner placed a worker (assign), another node's digest entries and exit
     reports about it are refused: a forged goodbye or crash changes nothing."""
