@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -173,19 +173,24 @@ def tracked(svc: FailureDetector) -> set[str]:
     return {w for _, w, _ in svc.detector.tracked()}
 
 
+async def started(svc: FailureDetector, nodes: Iterable[Node], workers: int) -> set[str]:
+    """Start ``nodes`` with ``workers`` each; return their workers once the detector
+    tracks every one of them through digests and has learnt their rhythm."""
+    for n in nodes:
+        await n.start(workers)
+    everyone = {w for n in nodes for w in n.procs}
+    await wait_until(lambda: tracked(svc) == everyone, what="every worker tracked through digests")
+    await wait_until(
+        lambda: all((s := svc.detector.snapshot(JOB, w)) is not None and s["samples"] >= 5 for w in everyone),
+        what="rhythm learnt",
+    )
+    return everyone
+
+
 async def test_node_silence_is_one_node_lost_and_a_frozen_rank_is_hung(
     detector: FailureDetector, events: Events, nodes: dict[str, Node], bus: Bus
 ) -> None:
-    for n in nodes.values():
-        await n.start(2)
-    everyone = {w for n in nodes.values() for w in n.procs}
-    await wait_until(lambda: tracked(detector) == everyone, what="every worker tracked through digests")
-    await wait_until(
-        lambda: all(
-            (s := detector.detector.snapshot(JOB, w)) is not None and s["samples"] >= 5 for w in everyone
-        ),
-        what="rhythm learnt",
-    )
+    everyone = await started(detector, nodes.values(), 2)
     # steady: 3 s of digests from both nodes, and nothing
     digests = detector.detector.stats.digests
     await wait_until(lambda: detector.detector.stats.digests >= digests + 2 * 30, what="3 s of digests")
@@ -290,16 +295,7 @@ async def test_a_mass_silence_judges_a_node_whose_launcher_is_gone_and_not_one_t
     await svc.start()
     made = {name: Node(nats_url, name, sock_dir) for name in ("na", "nb", "nc", "nd")}
     try:
-        for n in made.values():
-            await n.start(1)
-        everyone = {w for n in made.values() for w in n.procs}
-        await wait_until(lambda: tracked(svc) == everyone, what="every worker tracked")
-        await wait_until(
-            lambda: all(
-                (s := svc.detector.snapshot(JOB, w)) is not None and s["samples"] >= 5 for w in everyone
-            ),
-            what="rhythm learnt",
-        )
+        await started(svc, made.values(), 1)
         stalled = [made["nb"].pub, made["nc"].pub]
         for pub in stalled:  # digests stop, the launchers answer on
             assert pub is not None and pub._task is not None
