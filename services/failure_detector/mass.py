@@ -11,10 +11,12 @@ log). Members heard again meanwhile are not judged. A held member is judged only
 when one of these confirms it:
 
 - its launcher's connection is gone: the service asks each held node's launcher
-  every ``mass_probe_s`` (:meth:`MassSilence.take_probes`), and the server's "no
-  responders", or another launcher answering for the node, judges that node at
-  once (:meth:`MassSilence.probed`); a launcher that answers is alive, and its node
-  is not judged while it does, whatever its digests say; no answer says nothing;
+  every ``mass_probe_s`` (:meth:`MassSilence.take_probes`); the server's "no
+  responders" twice, ``mass_probe_s`` apart (a client reconnecting after a server
+  restart is back within nats.py's reconnect wait, 0.25 s here), or another
+  launcher answering for the node once, judges that node at once
+  (:meth:`MassSilence.probed`); a launcher that answers is alive, and its node is
+  not judged while it does, whatever its digests say; no answer says nothing;
 - a survivor's collective failed since the silence began: the ranks that can still
   reach NATS see the silent ones gone, and the hold ends for all of them at once
   (:meth:`MassSilence.collective_error`);
@@ -96,7 +98,10 @@ class Suspect:
     asked_at: float = -math.inf
     asking: bool = False
     answered_at: float = -math.inf
+    gone_at: float | None = None
+    """When the server first said "no responders" (None: not since its last answer)."""
     outcome: Probe | None = None
+    """The latest finding; GONE or REPLACED once the loss is confirmed."""
 
 
 class MassSilence:
@@ -225,17 +230,23 @@ class MassSilence:
 
     def probed(self, n: Node, outcome: Probe, now: float) -> bool:
         """What asking ``n``'s launcher found; True when that confirms its loss (check
-        its verdict now)."""
+        its verdict now): another launcher answering, or "no responders" a second
+        time at least ``probe_s`` after the first (not a reconnect in between)."""
         s = self.suspects.get(n.key)
         if s is None or s.node is not n:
             return False
         s.asking = False
         self._stats.mass_probes += 1
-        if outcome is Probe.SILENT and s.outcome is Probe.ALIVE:
+        if outcome is Probe.GONE:
+            if s.gone_at is None:
+                s.gone_at = now
+            if now - s.gone_at < 0.9 * self.probe_s:
+                return False  # asked again in probe_s
+        elif outcome is Probe.ALIVE:
+            s.answered_at, s.gone_at = now, None
+        elif outcome is Probe.SILENT and s.outcome is Probe.ALIVE:
             return False  # (it answered before: that stands for two periods)
         s.outcome = outcome
-        if outcome is Probe.ALIVE:
-            s.answered_at = now
         return outcome is Probe.GONE or outcome is Probe.REPLACED
 
     def collective_error(

@@ -811,17 +811,19 @@ def drive(
     nodes: list[SimNode],
     seconds: float,
     dt: float = 0.005,
-    answers: dict[str, Probe] | None = None,
+    answers: dict[str, Probe | list[Probe]] | None = None,
 ) -> list:
     """Advance time in small steps; nodes beat and digest; returns (time, verdict) pairs.
-    ``answers``: what asking each held node's launcher finds (as the service would ask)."""
+    ``answers``: what asking each held node's launcher finds (as the service would ask;
+    a list: one answer per question, the last one repeated)."""
     out = []
     end = clock.monotonic() + seconds
     while clock.monotonic() < end - 1e-9:
         for n in nodes:
             n.advance(clock.monotonic())
         for job, node, launcher in det.take_probes():
-            det.probed(job, node, launcher, (answers or {}).get(node, Probe.SILENT))
+            a = (answers or {}).get(node, Probe.SILENT)
+            det.probed(job, node, launcher, (a.pop(0) if len(a) > 1 else a[0]) if isinstance(a, list) else a)
         out += [(clock.monotonic(), v) for v in det.tick()]
         clock.advance(dt)
     return out
@@ -1703,21 +1705,28 @@ def test_half_the_nodes_of_a_job_silent_at_once_are_held() -> None:
 
 
 def test_a_held_node_is_judged_when_its_launcher_is_gone_and_never_while_it_answers() -> None:
-    """Four nodes of six fall silent together (a stalled bus, as the detector sees it).
-    Asking their launchers decides: "no responders" or another launcher answering for
-    the node judges it at once; one that answers is not judged while it does; one that
+    """Five nodes of seven fall silent together (a stalled bus, as the detector sees it).
+    Asking their launchers decides: "no responders" twice, or another launcher answering
+    for the node, judges it at once; "no responders" once and then an answer (a launcher
+    reconnecting) judges nothing; one that answers is not judged while it does; one that
     does not answer waits for the backstop. A hold's silence is not learned."""
     det, clock = make(mass_hold_s=5.0, mass_probe_s=0.5)
     rng = random.Random(4)
-    nodes = [SimNode(det, clock, k, rng, ranks=2) for k in range(6)]
+    nodes = [SimNode(det, clock, k, rng, ranks=2) for k in range(7)]
     drive(clock, det, nodes, 2.0)
     mean_before = det.node_snapshot("j1", "n2")["mean_ms"]  # type: ignore[index]
-    for n in nodes[1:5]:
+    for n in nodes[1:6]:
         n.silent = True
-    answers = {"n1": Probe.GONE, "n2": Probe.ALIVE, "n3": Probe.SILENT, "n4": Probe.REPLACED}
+    answers: dict[str, Probe | list[Probe]] = {
+        "n1": Probe.GONE,
+        "n2": Probe.ALIVE,
+        "n3": Probe.SILENT,
+        "n4": Probe.REPLACED,
+        "n5": [Probe.GONE, Probe.ALIVE],  # reconnecting when first asked: no verdict
+    }
     early = drive(clock, det, nodes, 2.0, answers=answers)
     [hold] = det.take_mass_holds()
-    assert (hold.nodes, hold.tracked_nodes) == (4, 6)
+    assert (hold.nodes, hold.tracked_nodes) == (5, 7)
     judged = {v.node: v for _, v in early}
     assert sorted(judged) == ["n1", "n4"], judged
     assert judged["n1"].evidence["mass_confirmed"] == "no_responders"
@@ -1727,10 +1736,10 @@ def test_a_held_node_is_judged_when_its_launcher_is_gone_and_never_while_it_answ
     [(_, n3)] = late  # past the backstop: the one that never answered
     assert n3.node == "n3" and n3.evidence["mass_confirmed"] == "hold_elapsed"
     assert isinstance(n3, NodeIncident) and n3.evidence["mass_probe"] == "no_answer"
-    nodes[2].silent = False  # n2's digests come back: nothing, and 7 s of silence not learned
+    nodes[2].silent = nodes[5].silent = False  # their digests come back: nothing, and 7 s not learned
     assert drive(clock, det, nodes, 1.0, answers=answers) == []
     assert det.node_snapshot("j1", "n2")["mean_ms"] == pytest.approx(mean_before, rel=0.2)  # type: ignore[index]
-    assert det.stats.mass_probes > 10 and sorted(n for _, n, _ in det.nodes()) == ["n0", "n2", "n5"]
+    assert det.stats.mass_probes > 10 and sorted(n for _, n, _ in det.nodes()) == ["n0", "n2", "n5", "n6"]
 
 
 def test_a_survivors_failed_collective_ends_a_mass_hold_and_an_older_one_does_not() -> None:
