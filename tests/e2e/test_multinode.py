@@ -220,7 +220,7 @@ def test_launcher_killed_alone_takes_its_ranks_and_a_new_one_joins_as_spares(
 
 
 STALL_S = 60.0  # issue 38: a minute of silence between the nodes and NATS
-STALL_STEPS = 1200  # ~50 ms each here: the ranks train on through most of the stall
+STALL_STEPS = 400  # ~50 ms each here: the ranks train through the first third of it, then end
 
 
 def test_a_minute_with_the_bus_silent_to_every_node_changes_nothing(
@@ -229,8 +229,9 @@ def test_a_minute_with_the_bus_silent_to_every_node_changes_nothing(
     """Every node's traffic to NATS blackholed for a minute (no reset, no error: a
     stalled bus as the nodes see it) while the ranks train on over gloo and the
     detector, beside NATS, hears nothing of any of them. That is the observer's
-    problem, not a mass death: no node-loss verdict, no plan change; the job goes
-    on through it and completes as a fault-free one does."""
+    problem, not a mass death: no node-loss verdict, no plan change. The training
+    ends inside the stall: the launchers hold their workers' exits until the bus is
+    back, and the job is recorded complete as a fault-free one is."""
     from phalanx.devstack.engine import ensure_tools
 
     ensure_tools(["iptables"])
@@ -254,12 +255,13 @@ def test_a_minute_with_the_bus_silent_to_every_node_changes_nothing(
         result, weights = run_nodes(
             steps=STALL_STEPS, actions=[(4, stall)], timeout_s=240 + STALL_S, on_steps_log=logs.append
         )
+        ended_after_the_heal = len(window) == 2
     finally:
         for t in timers:
             t.cancel()
         if len(window) == 1:
             heal()
-    assert len(window) == 2, "the job ended within the stall"
+    assert ended_after_the_heal, "the launchers ended within the stall, the planner never hearing"
     assert result.node_losses == [] and result.faults == [], story(result)
     assert actions(result) == [Action.START], story(result)
     assert result.decisions[-1].action is Action.COMPLETE, story(result)

@@ -86,6 +86,12 @@ from phalanx.worker.digest import NodeDigestPublisher
 
 __all__ = ["LaunchConfig", "LaunchError", "Launcher", "command_fingerprint", "run", "worker_names"]
 
+EXIT_REPORT_S = 300.0
+"""How long a launcher keeps offering a worker's exit to NATS before it goes on without
+it. The planner learns that a job completed from these: a job that ends while the bus
+is away must still be recorded once it is back. (Bus.publish's 30 s gave up inside a
+60 s partition, and every launcher then ended on its own, the planner never hearing.)"""
+
 
 class LaunchError(RuntimeError):
     """The launcher could not join its job (no planner answered, or it was refused)."""
@@ -356,6 +362,7 @@ class Launcher:
                     job=self.job,
                     node=self.node,
                     msg_id=f"{self.job}:{w.name}:{w.proc.pid}:exit",
+                    retry_for_s=EXIT_REPORT_S,
                 )
         self._check_done()
 
