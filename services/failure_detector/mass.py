@@ -12,11 +12,12 @@ when one of these confirms it:
 
 - its launcher's connection is gone: the service asks each held node's launcher
   every ``mass_probe_s`` (:meth:`MassSilence.take_probes`); the server's "no
-  responders" twice, ``mass_probe_s`` apart (a client reconnecting after a server
-  restart is back within nats.py's reconnect wait, 0.25 s here), or another
-  launcher answering for the node once, judges that node at once
-  (:meth:`MassSilence.probed`); a launcher that answers is alive, and its node is
-  not judged while it does, whatever its digests say; no answer says nothing;
+  responders" for :data:`RECONNECT_S` with no answer in between (a client whose
+  connection broke, in a partition or a server restart, is back within that of the
+  path clearing), or another launcher answering for the node once, judges that node
+  at once (:meth:`MassSilence.probed`); a launcher that answers is alive, and its
+  node is not judged while it does, whatever its digests say; no answer says
+  nothing;
 - a survivor's collective failed since the silence began: the ranks that can still
   reach NATS see the silent ones gone, and the hold ends for all of them at once
   (:meth:`MassSilence.collective_error`);
@@ -230,8 +231,8 @@ class MassSilence:
 
     def probed(self, n: Node, outcome: Probe, now: float) -> bool:
         """What asking ``n``'s launcher found; True when that confirms its loss (check
-        its verdict now): another launcher answering, or "no responders" a second
-        time at least ``probe_s`` after the first (not a reconnect in between)."""
+        its verdict now): another launcher answering, or "no responders" still
+        :data:`RECONNECT_S` after the first, with no answer in between."""
         s = self.suspects.get(n.key)
         if s is None or s.node is not n:
             return False
@@ -240,7 +241,7 @@ class MassSilence:
         if outcome is Probe.GONE:
             if s.gone_at is None:
                 s.gone_at = now
-            if now - s.gone_at < 0.9 * self.probe_s:
+            if now - s.gone_at < RECONNECT_S:
                 return False  # asked again in probe_s
         elif outcome is Probe.ALIVE:
             s.answered_at, s.gone_at = now, None
@@ -299,6 +300,14 @@ class MassSilence:
             v.evidence["mass_probe"] = probe.value
         self._stats.mass_held += 1
 
+
+RECONNECT_S = 3.0
+"""How long "no responders" must last before it confirms a held node lost. A launcher
+cut off from NATS (a partition, a server restart) has no subscription from the moment
+the server closes its old connection until it has reconnected: nats.py's connect
+timeout (2 s) and reconnect wait (0.25 s) after the path clears. Seen in CI: after a
+60 s partition healed, one launcher reconnected 0.7 s after the detector's first "no
+responders" and 0.2 s after its second, 0.5 s later, had judged its node lost."""
 
 _CLOCK_SKEW_S = 1.0
 """How far a failed collective's time may precede the silence's start and still
