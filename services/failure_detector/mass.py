@@ -126,6 +126,8 @@ class MassSilence:
         """Holds begun since the service last took them (:meth:`take_holds`)."""
         self.suspects: dict[tuple[str, str], Suspect] = {}
         """(job, node) -> a node held, whose launcher is asked (:meth:`take_probes`)."""
+        self._next_probe_at = math.inf
+        """No suspect is to be asked before this (:meth:`take_probes`)."""
         self._failed: dict[str, tuple[float, str]] = {}
         """job -> (wall time, worker) of its latest failed collective heard."""
 
@@ -208,25 +210,31 @@ class MassSilence:
             s = self.suspects.get(b.key)
             if s is None or s.node is not b:
                 self.suspects[b.key] = Suspect(b, now)
+                self._next_probe_at = now
 
     # -- what confirms a held verdict ------------------------------------------------------
     def take_probes(self, now: float) -> list[Node]:
         """The held nodes whose launcher is to be asked now (at most one question in
         flight per node, one every ``probe_s``); suspects heard again or no longer
-        tracked are dropped."""
+        tracked are dropped. Called every tick: the walk over the suspects is made only
+        once one of them may be due."""
         out: list[Node] = []
+        if now < self._next_probe_at:
+            return out
+        self._next_probe_at = math.inf
         nodes = self._tracking.nodes
         for key, s in list(self.suspects.items()):
             n = s.node
             if nodes.get(key) is not n or n.last_arrival > s.since:
                 del self.suspects[key]
                 continue
-            if s.asking or now - s.asked_at < self.probe_s:
-                continue
             if s.outcome is Probe.GONE or s.outcome is Probe.REPLACED:
                 continue  # its verdict is due
-            s.asking, s.asked_at = True, now
-            out.append(n)
+            if not s.asking and now - s.asked_at >= self.probe_s:
+                s.asking, s.asked_at = True, now
+                out.append(n)
+            # (an answer awaited comes within probe_s of the question)
+            self._next_probe_at = min(self._next_probe_at, s.asked_at + self.probe_s)
         return out
 
     def probed(self, n: Node, outcome: Probe, now: float) -> bool:
